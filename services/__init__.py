@@ -1,0 +1,1 @@
+"""vlmesh services: gateway, vision and llm gRPC servers, and what they share."""

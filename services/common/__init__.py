@@ -1,0 +1,1 @@
+"""What the three services share: errors, QoS, transport, servers, config."""

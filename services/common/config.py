@@ -1,0 +1,68 @@
+"""Flags every server shares, and the checks that make bad values fail at start-up."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from services.common.logs import LOG_LEVELS
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str
+    port: int
+    log_level: str
+    grace_s: float
+
+    def check(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port} is not a TCP port (0 picks a free one)")
+        if self.grace_s < 0:
+            raise ValueError(f"--grace-s {self.grace_s} must be >= 0")
+
+
+def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument(
+        "--host",
+        default=os.environ.get("VLMESH_HOST", "127.0.0.1"),
+        help="address to bind (default %(default)s)",
+    )
+    g.add_argument("--port", type=int, default=default_port, help="TCP port; 0 picks a free one (default %(default)s)")
+    g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity (default %(default)s)")
+    g.add_argument(
+        "--grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let in-flight requests finish (default %(default)s)",
+    )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port, log_level=args.log_level, grace_s=args.grace_s)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", required=True, help="local directory of a Hugging Face LLaVA checkpoint")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights and activations; auto = bfloat16 on CUDA, float32 on CPU",
+    )
+    g.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
+
+
+def resolve_device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this host")
+    return device

@@ -1,0 +1,132 @@
+"""One exception hierarchy for the mesh, and the one place it maps to gRPC statuses.
+
+Code anywhere raises a `MeshError` subclass; the servicer wrappers `unary` and
+`stream` turn it into the matching status. Any other exception becomes INTERNAL with
+its traceback logged, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class MeshError(Exception):
+    """Base of every error the mesh reports to a caller."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(MeshError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPrecondition(MeshError):
+    """A stale, forged, expired or released tensor reference."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(MeshError):
+    """Overload: the caller should retry after `retry_after_s`."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(f"{message} (retry after {retry_after_s:.1f}s)")
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(MeshError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(MeshError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Cancelled(MeshError):
+    code = grpc.StatusCode.CANCELLED
+
+
+def from_rpc_error(err: grpc.RpcError, peer: str) -> MeshError:
+    """Carry a downstream status upstream, naming the peer that gave it.
+
+    Caller mistakes (INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, ...) keep
+    their code; a peer that is down or broken becomes UNAVAILABLE.
+    """
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    kinds: dict[grpc.StatusCode, type[MeshError]] = {
+        grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+        grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+        grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+        grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+        grpc.StatusCode.CANCELLED: Cancelled,
+    }
+    kind = kinds.get(code)
+    if kind is ResourceExhausted:
+        return ResourceExhausted(f"{peer}: {details}")
+    if kind is not None:
+        return kind(details or f"{peer}: {code.name}")
+    return Unavailable(f"{peer} failed with {code.name}: {details}")
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: BaseException, method: str) -> None:
+    if isinstance(err, MeshError):
+        if err.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE):
+            log.warning("%s failed: %s: %s", method, err.code.name, err.message)
+        await context.abort(err.code, err.message)
+    log.exception("%s: unexpected error", method, exc_info=err)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(err).__name__}: {err}")
+
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def unary(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]):
+    """Wrap a unary servicer method so that errors map to statuses in one place."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        try:
+            return await fn(self, request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as err:
+            await _abort(context, err, fn.__qualname__)
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+def stream(fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]]):
+    """Wrap a server-streaming servicer method; errors map to statuses as in `unary`."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
+        try:
+            # aclosing: a cancelled RPC closes the inner generator now, so its
+            # `finally` (engine abort, lease release) runs at once, not at GC.
+            async with contextlib.aclosing(fn(self, request, context)) as items:
+                async for item in items:
+                    yield item
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as err:
+            await _abort(context, err, fn.__qualname__)
+
+    return wrapper

@@ -1,0 +1,48 @@
+"""The `qos-level` gRPC metadata: parsing, defaults and propagation."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from services.common.errors import InvalidArgument
+
+QOS_METADATA_KEY = "qos-level"
+
+
+class QosLevel(enum.IntEnum):
+    """Lower value = served first. The names are the metadata values."""
+
+    REALTIME = 0
+    STANDARD = 1
+    BEST_EFFORT = 2
+
+    @property
+    def wire(self) -> str:
+        return self.name.lower().replace("_", "-")
+
+
+_BY_WIRE = {level.wire: level for level in QosLevel}
+
+
+def parse_qos(value: str | None) -> QosLevel:
+    """Map a metadata value to a level; absent means `standard`, unknown is INVALID_ARGUMENT."""
+    if value is None or value == "":
+        return QosLevel.STANDARD
+    level = _BY_WIRE.get(value.strip().lower())
+    if level is None:
+        raise InvalidArgument(f"unknown qos-level {value!r}: use one of {', '.join(_BY_WIRE)}")
+    return level
+
+
+def qos_from_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> QosLevel:
+    """Read `qos-level` from invocation metadata (the first value wins)."""
+    for key, value in metadata or ():
+        if key == QOS_METADATA_KEY:
+            return parse_qos(value.decode() if isinstance(value, bytes) else value)
+    return QosLevel.STANDARD
+
+
+def qos_metadata(level: QosLevel) -> tuple[tuple[str, str], ...]:
+    """Metadata to send downstream so the next service queues the work alike."""
+    return ((QOS_METADATA_KEY, level.wire),)

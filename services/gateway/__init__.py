@@ -1,0 +1,1 @@
+"""The gateway: the public vlmesh.v1.Gateway API in front of a vision and an llm service."""

@@ -1,0 +1,5 @@
+import sys
+
+from services.gateway.server import main
+
+sys.exit(main())

@@ -1,0 +1,44 @@
+"""Start the gateway: `vlmesh serve gateway` or `python -m services.gateway`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from services.common.logs import setup_logging
+from services.common.server import serve_until_signal, start_server
+from services.gateway import config as gateway_config
+from services.gateway.servicer import GatewayServicer
+from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger("gateway")
+
+
+async def serve(cfg: gateway_config.GatewayConfig) -> None:
+    servicer = GatewayServicer(cfg.vision_target, cfg.llm_target, cfg.max_images)
+    running = await start_server(
+        cfg.server.host,
+        cfg.server.port,
+        [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],
+        [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
+    )
+    log.info(
+        "gateway serving on %s:%d (vision %s, llm %s)",
+        cfg.server.host,
+        running.port,
+        cfg.vision_target,
+        cfg.llm_target,
+    )
+    await serve_until_signal(running, cfg.server.grace_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = gateway_config.parse(argv)
+    except ValueError as err:
+        print(f"vlmesh serve gateway: error: {err}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.server.log_level, "gateway")
+    asyncio.run(serve(cfg))
+    return 0

@@ -1,0 +1,150 @@
+"""vlmesh.v1.Gateway: validate, encode the image, stream the decode back.
+
+The gateway is where a request's qos-level is checked and from where it, and the
+remaining deadline, travel to every downstream call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import grpc
+
+from services.common import errors
+from services.common.errors import InvalidArgument, Unavailable, from_rpc_error
+from services.common.qos import qos_from_metadata, qos_metadata
+from services.common.sampling import check_sampling
+from services.common.server import GRPC_OPTIONS
+from services.common.validation import check_images, check_prompt
+from vlmesh.v1 import common_pb2 as pb
+from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc, llm_pb2, llm_pb2_grpc, vision_pb2, vision_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_ID_CHARS = 128
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, vision_target: str, llm_target: str, max_images: int) -> None:
+        self.vision = vision_pb2_grpc.VisionStub(grpc.aio.insecure_channel(vision_target, options=GRPC_OPTIONS))
+        self.llm = llm_pb2_grpc.LlmStub(grpc.aio.insecure_channel(llm_target, options=GRPC_OPTIONS))
+        self.max_images = max_images
+        self._llm_info: pb.ServiceInfo | None = None
+
+    async def llm_info(self) -> pb.ServiceInfo:
+        """The llm's model and limits, fetched once (it cannot change while it runs)."""
+        if self._llm_info is None:
+            try:
+                self._llm_info = await self.llm.Info(pb.InfoRequest(), timeout=5)
+            except grpc.RpcError as err:
+                raise Unavailable(f"llm service is not reachable: {err.code().name}") from err
+        return self._llm_info
+
+    @errors.unary
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext):
+        info = pb.ServiceInfo()
+        info.CopyFrom(await self.llm_info())
+        info.service = "gateway"
+        return info
+
+    async def _run(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        """Yield GenerateResponse messages; the last one carries usage and timings."""
+        received = time.perf_counter()
+        qos = qos_from_metadata(context.invocation_metadata())
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+        request_id = request.request_id or uuid.uuid4().hex
+        check_images(request.images, self.max_images)
+        check_prompt(request.prompt)
+        info = await self.llm_info()
+        if request.model and request.model != info.model_id:
+            raise InvalidArgument(f"model {request.model!r} is not served here; this mesh serves {info.model_id!r}")
+        check_sampling(request.sampling, info.max_context)
+        metadata = qos_metadata(qos)
+
+        def remaining() -> float | None:
+            return context.time_remaining()
+
+        admitted = time.perf_counter()
+        consumer = pb.ConsumerInfo(host_id=info.host_id, accept=info.transports)
+        try:
+            encoded = await self.vision.Encode(
+                vision_pb2.EncodeRequest(request_id=request_id, images=request.images, consumer=consumer),
+                metadata=metadata,
+                timeout=remaining(),
+            )
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, "vision") from err
+
+        call = self.llm.Generate(
+            llm_pb2.LlmGenerateRequest(
+                request_id=request_id,
+                prompt=request.prompt,
+                image_features=encoded.features,
+                sampling=request.sampling,
+            ),
+            metadata=metadata,
+            timeout=remaining(),
+        )
+        first_token_at = None
+        started = False
+        try:
+            async for msg in call:
+                started = True
+                if first_token_at is None and msg.token_ids:
+                    first_token_at = time.perf_counter()
+                out = gateway_pb2.GenerateResponse(request_id=request_id, text=msg.text, token_ids=msg.token_ids)
+                if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    done = time.perf_counter()
+                    timings = pb.StageTimings()
+                    timings.MergeFrom(encoded.timings)
+                    timings.llm_queue_ms = msg.timings.llm_queue_ms
+                    timings.prefill_ms = msg.timings.prefill_ms
+                    timings.decode_ms = msg.timings.decode_ms
+                    timings.handoff_ms += msg.timings.handoff_ms
+                    timings.admission_ms = (admitted - received) * 1000
+                    timings.ttft_ms = ((first_token_at or done) - received) * 1000
+                    timings.total_ms = (done - received) * 1000
+                    out.finish_reason = msg.finish_reason
+                    out.usage.CopyFrom(msg.usage)
+                    out.timings.CopyFrom(timings)
+                yield out
+        except grpc.RpcError as err:
+            if not started:
+                await self._release(encoded.features)
+            raise from_rpc_error(err, "llm") from err
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+
+    async def _release(self, refs) -> None:
+        """The llm never read these features: hand the slots back instead of waiting for the TTL."""
+        lease_ids = [r.lease.id for r in refs if r.lease.id]
+        if lease_ids:
+            try:
+                await self.vision.Release(vision_pb2.ReleaseRequest(lease_ids=lease_ids), timeout=2)
+            except grpc.RpcError as err:
+                log.warning("lease release after llm failure failed: %s", err.code().name)
+
+    @errors.stream
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        async for msg in self._run(request, context):
+            yield msg
+
+    @errors.unary
+    async def GenerateUnary(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        result = gateway_pb2.GenerateResult()
+        texts: list[str] = []
+        async for msg in self._run(request, context):
+            texts.append(msg.text)
+            result.token_ids.extend(msg.token_ids)
+            result.request_id = msg.request_id
+            if msg.finish_reason:
+                result.finish_reason = msg.finish_reason
+                result.usage.CopyFrom(msg.usage)
+                result.timings.CopyFrom(msg.timings)
+        result.text = "".join(texts)
+        return result

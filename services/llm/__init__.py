@@ -1,0 +1,1 @@
+"""The llm service: prompt and image features -> streamed tokens."""

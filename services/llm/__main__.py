@@ -1,0 +1,5 @@
+import sys
+
+from services.llm.server import main
+
+sys.exit(main())

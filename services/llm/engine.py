@@ -1,0 +1,126 @@
+"""The llm engine: `schedule -> run -> postprocess` on one dedicated thread.
+
+It runs without gRPC. Callers `add` requests and receive `Output`s through each
+request's `emit` callback; `abort` stops a request within one step and frees its slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+from services.llm.request import Finish, Output, Request
+from services.llm.runner import ModelRunner
+from services.llm.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+        self.runner = runner
+        self.scheduler = Scheduler(max_batch)
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+        self.eos = set(runner.spec.text.eos_token_ids)
+        self.steps = 0
+
+    # ---- called from any thread ----
+    def start(self) -> None:
+        self._thread.start()
+
+    def add(self, req: Request) -> None:
+        self._inbox.put(("add", req))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    @property
+    def load(self) -> dict[str, int]:
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": s.waiting, "free_slots": s.slots.free}
+
+    # ---- engine thread ----
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.scheduler.add(item)  # type: ignore[arg-type]
+            else:
+                self._abort(item)  # type: ignore[arg-type]
+
+    def _abort(self, request_id: str) -> None:
+        req = self.scheduler.drop_waiting(request_id)
+        if req is None:
+            req = next((r for r in self.scheduler.running if r.id == request_id), None)
+        if req is not None:
+            req.aborted = True
+            self._finish(req, Finish.ABORT)
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._drain_inbox()
+            plan = self.scheduler.schedule()
+            if plan.empty:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                self._step(plan)
+            except Exception as err:  # fail the step's requests, keep serving the rest
+                log.exception("engine step failed")
+                for req in plan.prefill + plan.decode:
+                    if req.slot >= 0:
+                        self._finish(req, Finish.ERROR, f"engine step failed: {type(err).__name__}: {err}")
+            self.steps += 1
+        for req in list(self.scheduler.running) + self.scheduler.all_waiting():
+            self._finish(req, Finish.ABORT, "the llm server is shutting down")
+
+    def _step(self, plan) -> None:
+        now = time.perf_counter()
+        for req in plan.prefill:
+            req.scheduled_at = now
+            req.generator = None if req.sampling.greedy else self.runner.new_generator(req.sampling.seed)
+            logits = self.runner.prefill(req)
+            req.prefill_done_at = time.perf_counter()
+            self._postprocess([req], self.runner.sample([req], logits))
+        decode = [r for r in plan.decode if r.slot >= 0]
+        if decode:
+            logits = self.runner.decode(decode)
+            self._postprocess(decode, self.runner.sample(decode, logits))
+
+    def _postprocess(self, reqs: list[Request], tokens: list[int]) -> None:
+        for req, tok in zip(reqs, tokens, strict=True):
+            if tok in self.eos and not req.sampling.ignore_eos:
+                self._finish(req, Finish.STOP)
+                continue
+            req.output_ids.append(tok)
+            text, stopped = req.detok.push(tok)
+            if stopped:
+                req.emit(Output(text, [tok]))
+                self._finish(req, Finish.STOP)
+            elif len(req.output_ids) >= req.max_new or req.computed + 1 >= self.runner.max_context:
+                req.emit(Output(text, [tok]))
+                self._finish(req, Finish.LENGTH)
+            else:
+                req.emit(Output(text, [tok]))
+
+    def _finish(self, req: Request, finish: Finish, error: str | None = None) -> None:
+        self.scheduler.finish(req)
+        req.finished_at = time.perf_counter()
+        tail = req.detok.flush() if finish in (Finish.STOP, Finish.LENGTH) else ""
+        req.emit(Output(tail, [], finish=finish, error=error))

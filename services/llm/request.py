@@ -1,0 +1,66 @@
+"""Per-request state of the llm engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.qos import QosLevel
+from services.common.sampling import Sampling
+from services.llm.detokenizer import Detokenizer
+
+
+class Finish(enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the context
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # the engine failed this request
+
+
+@dataclass
+class Output:
+    """What the engine hands back after a step: a delta, and on the last one, the end."""
+
+    text: str
+    token_ids: list[int]
+    finish: Finish | None = None
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]  # image positions hold the image token id
+    image_positions: list[int]  # first prompt position of each image's features
+    image_features: list[torch.Tensor]  # each [image_tokens, H], on the CPU
+    text_tokens: int
+    sampling: Sampling
+    max_new: int  # resolved: sampling.max_tokens or what the context leaves
+    qos: QosLevel
+    detok: Detokenizer
+    emit: Callable[[Output], None]  # thread-safe hand-off to the caller's event loop
+    arrival: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    slot: int = -1  # KV cache row while running
+    computed: int = 0  # tokens whose K/V are in the cache
+    generator: torch.Generator | None = None
+    aborted: bool = False
+    # Stage clocks (perf_counter seconds), for the final message's timings.
+    scheduled_at: float = 0.0
+    prefill_done_at: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(f.shape[0] for f in self.image_features)
+
+    def sort_key(self) -> tuple[int, float]:
+        return (int(self.qos), self.arrival)

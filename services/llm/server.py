@@ -1,0 +1,61 @@
+"""Start the llm server: `vlmesh serve llm` or `python -m services.llm`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import torch
+
+from services.common.config import resolve_device
+from services.common.errors import MeshError
+from services.common.logs import setup_logging
+from services.common.server import serve_until_signal, start_server
+from services.llm import config as llm_config
+from services.llm.engine import Engine
+from services.llm.runner import ModelRunner
+from services.llm.servicer import LlmServicer
+from services.model.prompt import PromptBuilder
+from services.model.spec import load_spec, resolve_dtype
+from vlmesh.v1 import llm_pb2, llm_pb2_grpc
+
+log = logging.getLogger("llm")
+
+
+async def serve(cfg: llm_config.LlmConfig) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    spec = load_spec(cfg.model)
+    device = resolve_device(cfg.device)
+    runner = ModelRunner(spec, device, resolve_dtype(cfg.dtype, device), cfg.max_batch)
+    engine = Engine(runner, cfg.max_batch)
+    engine.start()
+    servicer = LlmServicer(engine, PromptBuilder(spec), cfg.default_max_tokens, cfg.vision_target)
+    try:
+        running = await start_server(
+            cfg.server.host,
+            cfg.server.port,
+            [lambda s: llm_pb2_grpc.add_LlmServicer_to_server(servicer, s)],
+            [llm_pb2.DESCRIPTOR.services_by_name["Llm"].full_name],
+        )
+        log.info("llm serving on %s:%d (max batch %d)", cfg.server.host, running.port, cfg.max_batch)
+        await serve_until_signal(running, cfg.server.grace_s)
+    finally:
+        engine.stop()
+        servicer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = llm_config.parse(argv)
+    except ValueError as err:
+        print(f"vlmesh serve llm: error: {err}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.server.log_level, "llm")
+    try:
+        asyncio.run(serve(cfg))
+    except MeshError as err:
+        log.error("cannot start: %s", err.message)
+        return 2
+    return 0

@@ -1,0 +1,170 @@
+"""vlmesh.v1.Llm: a thin adapter from gRPC to the engine.
+
+It validates, builds the prompt, imports the image features through their TensorRefs
+(and releases the leases at once), then relays the engine's outputs. A cancelled or
+expired RPC aborts the request in the engine, which frees its KV slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+import grpc
+
+from services.common import errors
+from services.common.errors import InvalidArgument, MeshError, Unavailable
+from services.common.hostinfo import host_id
+from services.common.qos import qos_from_metadata
+from services.common.sampling import check_sampling
+from services.common.tensorref import FeatureImporter
+from services.common.validation import check_prompt
+from services.llm.detokenizer import Detokenizer
+from services.llm.engine import Engine
+from services.llm.request import Finish, Output, Request
+from services.model.prompt import PromptBuilder
+from vlmesh.v1 import common_pb2 as pb
+from vlmesh.v1 import llm_pb2, llm_pb2_grpc, vision_pb2, vision_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+FINISH_TO_PB = {Finish.STOP: pb.FINISH_REASON_STOP, Finish.LENGTH: pb.FINISH_REASON_LENGTH}
+ACCEPTED = (pb.TRANSPORT_SHM, pb.TRANSPORT_INLINE)
+
+
+class LlmServicer(llm_pb2_grpc.LlmServicer):
+    def __init__(self, engine: Engine, prompts: PromptBuilder, default_max_tokens: int, vision_target: str | None):
+        self.engine = engine
+        self.prompts = prompts
+        self.spec = prompts.spec
+        self.default_max_tokens = default_max_tokens
+        self.importer = FeatureImporter()
+        self.host = host_id()
+        self._ids = itertools.count()
+        self._vision = vision_pb2_grpc.VisionStub(grpc.aio.insecure_channel(vision_target)) if vision_target else None
+        self._background: set[asyncio.Task] = set()
+
+    def _import_features(self, refs) -> list:
+        hidden, tokens = self.spec.text.hidden, self.spec.image_tokens
+        feats = []
+        for i, ref in enumerate(refs):
+            tensor = self.importer.load(ref)
+            if tuple(tensor.shape) != (tokens, hidden):
+                raise InvalidArgument(
+                    f"image_features[{i}] has shape {tuple(tensor.shape)}; this model needs ({tokens}, {hidden})"
+                )
+            feats.append(tensor)
+        return feats
+
+    def _release(self, refs) -> None:
+        """Hand the leases back now; the producer's TTL covers a lost release."""
+        lease_ids = [r.lease.id for r in refs if r.transport != pb.TRANSPORT_INLINE and r.lease.id]
+        if not lease_ids or self._vision is None:
+            return
+
+        async def release() -> None:
+            try:
+                await self._vision.Release(vision_pb2.ReleaseRequest(lease_ids=lease_ids), timeout=5)
+            except grpc.RpcError as err:
+                log.warning("lease release failed (the TTL will reclaim them): %s", err.code().name)
+
+        task = asyncio.create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    @errors.stream
+    async def Generate(self, request: llm_pb2.LlmGenerateRequest, context: grpc.aio.ServicerContext):
+        qos = qos_from_metadata(context.invocation_metadata())
+        check_prompt(request.prompt)
+        sampling = check_sampling(request.sampling, self.spec.text.max_context)
+        if not request.image_features:
+            raise InvalidArgument("image_features: one image is required")
+        t0 = time.perf_counter()
+        try:
+            features = self._import_features(request.image_features)
+        finally:
+            self._release(request.image_features)
+        handoff_ms = (time.perf_counter() - t0) * 1000
+        prompt = self.prompts.build(request.prompt, len(features))
+        room = self.spec.text.max_context - len(prompt.ids)
+        if sampling.max_tokens is not None and sampling.max_tokens > room:
+            raise InvalidArgument(
+                f"sampling.max_tokens={sampling.max_tokens} does not fit: the prompt takes {len(prompt.ids)} of the "
+                f"model's {self.spec.text.max_context} context tokens, leaving {room}"
+            )
+        if room < 1:
+            raise InvalidArgument(f"the prompt takes {len(prompt.ids)} tokens, the model's whole context")
+        max_new = sampling.max_tokens if sampling.max_tokens is not None else min(self.default_max_tokens, room)
+
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[Output] = asyncio.Queue()
+
+        def emit(out: Output) -> None:  # engine thread -> this event loop
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        req = Request(
+            id=f"{request.request_id or 'req'}#{next(self._ids)}",
+            prompt_ids=prompt.ids,
+            image_positions=prompt.image_positions,
+            image_features=features,
+            text_tokens=prompt.text_tokens,
+            sampling=sampling,
+            max_new=max_new,
+            qos=qos,
+            detok=Detokenizer(self.prompts.tokenizer, sampling.stop),
+            emit=emit,
+        )
+        self.engine.add(req)
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                text, ids = out.text, list(out.token_ids)
+                # Coalesce what is already queued into one message: fewer, larger messages.
+                while out.finish is None and not outputs.empty():
+                    out = outputs.get_nowait()
+                    text += out.text
+                    ids.extend(out.token_ids)
+                if out.finish is None:
+                    yield llm_pb2.LlmGenerateResponse(text=text, token_ids=ids)
+                    continue
+                finished = True
+                yield self._final(req, out, text, ids, handoff_ms)
+        finally:
+            if not finished:
+                self.engine.abort(req.id)  # cancelled or deadline: stop decoding, free the slot
+
+    def _final(self, req: Request, out: Output, text: str, ids: list[int], handoff_ms: float):
+        if out.finish is Finish.ERROR:
+            raise MeshError(out.error or "the engine failed this request")
+        if out.finish is Finish.ABORT:
+            raise Unavailable(out.error or "the request was aborted")
+        timings = pb.StageTimings(
+            handoff_ms=handoff_ms,
+            llm_queue_ms=(req.scheduled_at - req.arrival) * 1000,
+            prefill_ms=(req.prefill_done_at - req.scheduled_at) * 1000,
+            decode_ms=(req.finished_at - req.prefill_done_at) * 1000,
+        )
+        usage = pb.Usage(
+            prompt_tokens=req.text_tokens, image_tokens=req.image_tokens, output_tokens=len(req.output_ids)
+        )
+        return llm_pb2.LlmGenerateResponse(
+            text=text, token_ids=ids, finish_reason=FINISH_TO_PB[out.finish], usage=usage, timings=timings
+        )
+
+    @errors.unary
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext):
+        return pb.ServiceInfo(
+            service="llm",
+            model_id=self.spec.model_id,
+            host_id=self.host,
+            transports=list(ACCEPTED),
+            max_context=self.spec.text.max_context,
+            image_tokens=self.spec.image_tokens,
+            default_max_tokens=self.default_max_tokens,
+        )
+
+    def close(self) -> None:
+        self.importer.close()

@@ -1,0 +1,100 @@
+"""Load LLaVA safetensors into the plain-PyTorch modules, accepting every key layout.
+
+Layouts seen in the wild (ARCHITECTURE.md):
+- transformers 5.x saves `vision_tower.embeddings.*`, `vision_tower.encoder.*`,
+  `multi_modal_projector.*`, `language_model.model.*`, `language_model.lm_head.*`;
+- published LLaVA-1.5 uses `vision_tower.vision_model.*`;
+- transformers 4.5x in-memory names use `model.vision_tower.*`, `model.language_model.*`
+  and a top-level `lm_head.*`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from services.common.errors import InvalidArgument
+from services.model.clip import VisionTower
+from services.model.llama import LlamaDecoder
+from services.model.spec import LlavaSpec
+
+# (pattern, part, replacement): the first match names the part and the key inside it.
+_RULES = [
+    (re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?(.*)$"), "vision", r"\1"),
+    (re.compile(r"^(?:model\.)?multi_modal_projector\.(.*)$"), "vision", r"multi_modal_projector.\1"),
+    (re.compile(r"^(?:language_model\.|model\.language_model\.)lm_head\.(.*)$"), "text", r"lm_head.\1"),
+    (re.compile(r"^lm_head\.(.*)$"), "text", r"lm_head.\1"),
+    (
+        re.compile(r"^(?:language_model\.model\.|model\.language_model\.|language_model\.)(.*)$"),
+        "text",
+        r"\1",
+    ),
+]
+
+
+def canonical_key(key: str) -> tuple[str, str] | None:
+    """Map a checkpoint key to (part, module key); None for keys no service uses."""
+    for pattern, part, repl in _RULES:
+        if pattern.match(key):
+            return part, pattern.sub(repl, key)
+    return None
+
+
+def _shards(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise InvalidArgument(f"{model_dir}: no *.safetensors weights")
+    return shards
+
+
+def read_state_dict(model_dir: Path, part: str, wanted: set[str]) -> dict[str, torch.Tensor]:
+    """Read the tensors of one part ('vision' or 'text') whose module keys are in `wanted`."""
+    out: dict[str, torch.Tensor] = {}
+    for shard in _shards(model_dir):
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                mapped = canonical_key(key)
+                if mapped and mapped[0] == part and mapped[1] in wanted:
+                    out[mapped[1]] = f.get_tensor(key)
+    return out
+
+
+def _load(module: nn.Module, model_dir: Path, part: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    wanted = set(module.state_dict().keys())
+    state = read_state_dict(model_dir, part, wanted)
+    missing = wanted - state.keys()
+    if missing:
+        raise InvalidArgument(f"{model_dir}: {part} weights missing from the checkpoint: {sorted(missing)[:5]}")
+    module.load_state_dict(state, assign=True)
+    return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_vision_tower(spec: LlavaSpec, device: torch.device, dtype: torch.dtype) -> VisionTower:
+    with torch.device("meta"):
+        tower = VisionTower(spec)
+    return _load(tower, spec.model_dir, "vision", device, dtype)  # type: ignore[return-value]
+
+
+def load_decoder(spec: LlavaSpec, device: torch.device, dtype: torch.dtype) -> LlamaDecoder:
+    with torch.device("meta"):
+        decoder = LlamaDecoder(spec.text)
+    if spec.text.tie_embeddings:
+        # Tied checkpoints carry no lm_head tensor; share the embedding matrix instead.
+        state = read_state_dict(spec.model_dir, "text", {"embed_tokens.weight", "lm_head.weight"})
+        if "lm_head.weight" not in state:
+            decoder.lm_head = nn.Identity()  # replaced below, after loading
+            decoder = _load(decoder, spec.model_dir, "text", device, dtype)  # type: ignore[assignment]
+            head = nn.Linear(spec.text.hidden, spec.text.vocab, bias=False, device=device, dtype=dtype)
+            head.weight = decoder.embed_tokens.weight
+            decoder.lm_head = head
+            return decoder
+    return _load(decoder, spec.model_dir, "text", device, dtype)  # type: ignore[return-value]

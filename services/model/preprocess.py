@@ -1,0 +1,134 @@
+"""Image bytes -> normalised pixels, as `CLIPImageProcessor` does for this checkpoint.
+
+Configured by the checkpoint's preprocessor_config.json: resize (shortest edge or a
+fixed size, Pillow resampling), optional center crop, rescale, normalise. Pillow and
+numpy only; tests compare against transformers' own processor.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from services.common.errors import InvalidArgument
+
+# Pillow's decompression-bomb guard raises above 2x this many pixels; keep it explicit.
+MAX_IMAGE_PIXELS = 40_000_000
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class ImageProcessorConfig:
+    shortest_edge: int | None  # resize the short side to this, keeping the aspect ratio...
+    size_hw: tuple[int, int] | None  # ...or to exactly (height, width)
+    resample: int
+    do_resize: bool
+    do_center_crop: bool
+    crop_hw: tuple[int, int]
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    do_convert_rgb: bool
+
+    @classmethod
+    def load(cls, model_dir: Path, image_size: int) -> ImageProcessorConfig:
+        path = model_dir / "preprocessor_config.json"
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+        size = raw.get("size", {"shortest_edge": image_size})
+        if isinstance(size, int):
+            size = {"shortest_edge": size}
+        crop = raw.get("crop_size", {"height": image_size, "width": image_size})
+        if isinstance(crop, int):
+            crop = {"height": crop, "width": crop}
+        cfg = cls(
+            shortest_edge=size.get("shortest_edge"),
+            size_hw=(size["height"], size["width"]) if "height" in size else None,
+            resample=int(raw.get("resample", Image.Resampling.BICUBIC)),
+            do_resize=raw.get("do_resize", True),
+            do_center_crop=raw.get("do_center_crop", True),
+            crop_hw=(crop["height"], crop["width"]),
+            do_rescale=raw.get("do_rescale", True),
+            rescale_factor=raw.get("rescale_factor", 1 / 255),
+            do_normalize=raw.get("do_normalize", True),
+            mean=tuple(raw.get("image_mean", OPENAI_CLIP_MEAN)),
+            std=tuple(raw.get("image_std", OPENAI_CLIP_STD)),
+            do_convert_rgb=raw.get("do_convert_rgb", True),
+        )
+        out_hw = cfg.crop_hw if cfg.do_center_crop else cfg.size_hw
+        if out_hw is not None and out_hw != (image_size, image_size):
+            raise InvalidArgument(f"{path}: output size {out_hw} differs from the ViT's image_size {image_size}")
+        if not cfg.do_center_crop and cfg.size_hw is None:
+            raise InvalidArgument(f"{path}: without a center crop, size must be a fixed height and width")
+        return cfg
+
+
+def decode_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """Decode any format Pillow reads; INVALID_ARGUMENT with the reason otherwise."""
+    if not data:
+        raise InvalidArgument("image data is empty")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+            if img.width * img.height > max_pixels:
+                raise InvalidArgument(
+                    f"image is {img.width}x{img.height} = {img.width * img.height} pixels; the limit is {max_pixels}"
+                )
+            img.load()
+    except InvalidArgument:
+        raise
+    except (
+        OSError,
+        ValueError,
+        SyntaxError,
+        Image.DecompressionBombError,
+        Image.DecompressionBombWarning,
+    ) as err:
+        raise InvalidArgument(
+            f"image data ({len(data)} bytes) is not a readable image (JPEG, PNG, WebP, ...): {err}"
+        ) from err
+    return img
+
+
+def _center_crop(arr: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
+    h, w = arr.shape[:2]
+    ch, cw = hw
+    if ch > h or cw > w:  # pad with zeros first, centered, as transformers does
+        padded = np.zeros((max(h, ch), max(w, cw), arr.shape[2]), dtype=arr.dtype)
+        top, left = (padded.shape[0] - h) // 2, (padded.shape[1] - w) // 2
+        padded[top : top + h, left : left + w] = arr
+        arr, h, w = padded, padded.shape[0], padded.shape[1]
+    top, left = (h - ch) // 2, (w - cw) // 2
+    return arr[top : top + ch, left : left + cw]
+
+
+def preprocess(img: Image.Image, cfg: ImageProcessorConfig) -> torch.Tensor:
+    """PIL image -> pixels [3, S, S] float32."""
+    if cfg.do_convert_rgb and img.mode != "RGB":
+        img = img.convert("RGB")
+    if cfg.do_resize:
+        if cfg.size_hw is not None:
+            new_h, new_w = cfg.size_hw
+        else:
+            short, long = sorted((img.height, img.width))
+            new_short, new_long = cfg.shortest_edge, int(cfg.shortest_edge * long / short)
+            new_h, new_w = (new_short, new_long) if img.height <= img.width else (new_long, new_short)
+        img = img.resize((new_w, new_h), resample=cfg.resample)
+    arr = np.asarray(img)  # [h, w, 3] uint8
+    if cfg.do_center_crop:
+        arr = _center_crop(arr, cfg.crop_hw)
+    out = arr.astype(np.float64) * cfg.rescale_factor if cfg.do_rescale else arr.astype(np.float64)
+    out = out.astype(np.float32)
+    if cfg.do_normalize:
+        out = (out - np.asarray(cfg.mean, dtype=np.float32)) / np.asarray(cfg.std, dtype=np.float32)
+    return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1)))

@@ -1,0 +1,78 @@
+"""Prompt text -> token ids: the checkpoint's tokenizer and chat template, with image
+placeholders expanded to one position per image feature."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.errors import InvalidArgument
+from services.model.spec import LlavaSpec
+
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def _find_chat_template(model_dir: Path, tokenizer) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.chat_template
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    js = model_dir / "chat_template.json"
+    if js.is_file():
+        return json.loads(js.read_text())["chat_template"]
+    raise InvalidArgument(f"{model_dir}: the checkpoint has no chat template")
+
+
+@dataclass
+class PromptIds:
+    ids: list[int]  # the whole prompt, image positions included
+    image_positions: list[int]  # first position of each image's block of features
+    text_tokens: int
+
+
+class PromptBuilder:
+    """Applies the chat template and expands `<image>` to `image_tokens` positions."""
+
+    def __init__(self, spec: LlavaSpec) -> None:
+        from transformers import AutoTokenizer
+
+        self.spec = spec
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.model_dir, local_files_only=True)
+        self.template = _find_chat_template(spec.model_dir, self.tokenizer)
+        image_id = self.tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
+        if image_id != spec.image_token_id:
+            raise InvalidArgument(
+                f"{spec.model_dir}: tokenizer maps {IMAGE_PLACEHOLDER!r} to {image_id}, "
+                f"but config.json says image_token_index={spec.image_token_id}"
+            )
+
+    def render(self, prompt: str, n_images: int) -> str:
+        content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": prompt}]
+        messages = [{"role": "user", "content": content}]
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.template, add_generation_prompt=True, tokenize=False
+        )
+
+    def build(self, prompt: str, n_images: int) -> PromptIds:
+        text = self.render(prompt, n_images)
+        # The template writes BOS itself, so the tokenizer adds no special tokens (as
+        # transformers does for chat templates).
+        raw = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        image_id, per_image = self.spec.image_token_id, self.spec.image_tokens
+        found = raw.count(image_id)
+        if found != n_images:
+            raise InvalidArgument(
+                f"the prompt yields {found} image placeholders for {n_images} images; "
+                f"do not write {IMAGE_PLACEHOLDER!r} in the prompt text"
+            )
+        ids: list[int] = []
+        positions: list[int] = []
+        for tok in raw:
+            if tok == image_id:
+                positions.append(len(ids))
+                ids.extend([image_id] * per_image)
+            else:
+                ids.append(tok)
+        return PromptIds(ids=ids, image_positions=positions, text_tokens=len(raw) - found)

@@ -1,0 +1,133 @@
+"""Build tiny random-weight LLaVA checkpoints with transformers, for tests and the demo.
+
+The checkpoint is a real Hugging Face LLaVA directory (config.json, safetensors,
+tokenizer with chat template, preprocessor_config.json) written by transformers'
+own `save_pretrained`, so it also serves as the oracle's input.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# LLaVA-1.5's conversation format, with BOS written by the template itself.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}USER: "
+    "{% else %}ASSISTANT: {% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<image>\n{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'user' %} {% else %}{{ eos_token }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
+
+_CORPUS = [
+    "USER: ASSISTANT: What is in the image? Describe the picture in detail.",
+    "a red circle, a green square, a blue triangle, a yellow star, purple and orange shapes",
+    "The quick brown fox jumps over the lazy dog. 0123456789 !?.,;:'\"()[]{}",
+    "What color is the shape? What shape is it? How many objects are there?",
+    "Écrire en français, ünïcödé text and emoji 🙂 are bytes too.",
+]
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int):
+    """A byte-level BPE tokenizer trained on a fixed corpus (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_tiny_llava(
+    out_dir: str | Path,
+    seed: int = 0,
+    image_size: int = 32,
+    patch_size: int = 8,
+    vision_width: int = 32,
+    text_width: int = 64,
+    vocab_size: int = 384,
+    center_crop: bool = True,
+) -> Path:
+    """Write a random tiny LLaVA checkpoint to `out_dir` and return its path."""
+    import torch
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out, vocab_size)
+    vision = CLIPVisionConfig(
+        hidden_size=vision_width,
+        intermediate_size=vision_width * 2,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=image_size,
+        patch_size=patch_size,
+        projection_dim=vision_width,
+    )
+    text = LlamaConfig(
+        hidden_size=text_width,
+        intermediate_size=text_width * 2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tok),
+        max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        image_seq_length=(image_size // patch_size) ** 2,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    # Larger-than-default init so that random logits are not near-ties: greedy tokens
+    # then differ between images, which is what the oracle test needs to see.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "embedding" not in name:
+                p.normal_(0.0, 0.2 / p.shape[-1] ** 0.5 * 4)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out)
+    crop = {"height": image_size, "width": image_size}
+    processor = CLIPImageProcessor(
+        size={"shortest_edge": image_size} if center_crop else crop,
+        crop_size=crop,
+        do_center_crop=center_crop,
+    )
+    processor.save_pretrained(out)
+    return out

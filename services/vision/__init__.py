@@ -1,0 +1,1 @@
+"""The vision service: image bytes -> leased references to projected features."""

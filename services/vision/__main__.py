@@ -1,0 +1,5 @@
+import sys
+
+from services.vision.server import main
+
+sys.exit(main())

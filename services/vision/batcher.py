@@ -1,0 +1,99 @@
+"""Batches waiting images for the ViT, in QoS order.
+
+Images wait in a priority queue ordered by (QoS class, arrival). Whenever the encoder
+is free it takes up to `max_batch` of them, so batches grow with load and a lone
+request never waits for a timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.qos import QosLevel
+from services.vision.encoder import VisionEncoder
+
+
+@dataclass(order=True)
+class _Item:
+    qos: int
+    seq: int
+    pixels: torch.Tensor = field(compare=False)
+    future: asyncio.Future = field(compare=False)
+    enqueued: float = field(compare=False)
+
+
+@dataclass
+class EncodeResult:
+    features: torch.Tensor  # [image_tokens, H]
+    queue_ms: float
+    encode_ms: float
+    batch_size: int
+
+
+class VisionBatcher:
+    def __init__(self, encoder: VisionEncoder, max_batch: int) -> None:
+        self.encoder = encoder
+        self.max_batch = max_batch
+        self._heap: list[_Item] = []
+        self._seq = itertools.count()
+        self._wake = asyncio.Event()
+        # One thread runs the model; torch parallelises inside it.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vit")
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="vision-batcher")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        for item in self._heap:
+            if not item.future.done():
+                item.future.cancel()
+        self._executor.shutdown(wait=True)
+
+    @property
+    def depth(self) -> int:
+        return len(self._heap)
+
+    async def submit(self, pixels: torch.Tensor, qos: QosLevel) -> EncodeResult:
+        future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, _Item(int(qos), next(self._seq), pixels, future, time.perf_counter()))
+        self._wake.set()
+        return await future
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._heap:
+                batch: list[_Item] = []
+                while self._heap and len(batch) < self.max_batch:
+                    item = heapq.heappop(self._heap)
+                    if not item.future.cancelled():  # the caller went away while waiting
+                        batch.append(item)
+                if not batch:
+                    continue
+                start = time.perf_counter()
+                pixels = torch.stack([item.pixels for item in batch])  # [B, 3, S, S]
+                try:
+                    feats = await loop.run_in_executor(self._executor, self.encoder.encode, pixels)
+                except Exception as err:  # a model failure fails this batch, not the server
+                    for item in batch:
+                        if not item.future.done():
+                            item.future.set_exception(err)
+                    continue
+                encode_ms = (time.perf_counter() - start) * 1000
+                for i, item in enumerate(batch):
+                    if not item.future.done():
+                        item.future.set_result(
+                            EncodeResult(feats[i], (start - item.enqueued) * 1000, encode_ms, len(batch))
+                        )

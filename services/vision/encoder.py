@@ -1,0 +1,48 @@
+"""The ViT + projector forward, loaded from the checkpoint, with its preprocessing."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from PIL import Image
+
+from services.common.config import resolve_device
+from services.model.checkpoint import load_vision_tower
+from services.model.preprocess import ImageProcessorConfig, decode_image, preprocess
+from services.model.spec import LlavaSpec, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+class VisionEncoder:
+    def __init__(self, spec: LlavaSpec, device: str, dtype: str) -> None:
+        self.spec = spec
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.tower = load_vision_tower(spec, self.device, self.dtype)
+        self.processor = ImageProcessorConfig.load(spec.model_dir, spec.vision.image_size)
+        log.info(
+            "vision tower loaded: %d of %d ViT layers, %d image tokens x %d, %s on %s",
+            spec.vision.layers_used,
+            spec.vision.layers,
+            spec.image_tokens,
+            spec.text.hidden,
+            self.dtype,
+            self.device,
+        )
+
+    def pixels(self, data: bytes) -> torch.Tensor:
+        """Image bytes -> pixels [3, S, S] (CPU, float32). Raises InvalidArgument."""
+        img: Image.Image = decode_image(data)
+        return preprocess(img, self.processor)
+
+    @torch.inference_mode()
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [B, 3, S, S] -> features [B, image_tokens, H] on the CPU."""
+        feats = self.tower(pixels.to(self.device, self.dtype, non_blocking=True))
+        return feats.cpu()
+
+    @property
+    def feature_bytes(self) -> int:
+        return self.spec.image_tokens * self.spec.text.hidden * torch.empty((), dtype=self.dtype).element_size()

@@ -1,0 +1,77 @@
+"""Start the vision server: `vlmesh serve vision` or `python -m services.vision`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+
+import torch
+
+from services.common.errors import MeshError
+from services.common.logs import setup_logging
+from services.common.server import serve_until_signal, start_server
+from services.common.shm_arena import ShmArena
+from services.model.spec import load_spec
+from services.vision import config as vision_config
+from services.vision.batcher import VisionBatcher
+from services.vision.encoder import VisionEncoder
+from services.vision.servicer import VisionServicer
+from vlmesh.v1 import vision_pb2, vision_pb2_grpc
+
+log = logging.getLogger("vision")
+
+
+async def _reap_forever(arena: ShmArena, period_s: float) -> None:
+    while True:
+        await asyncio.sleep(period_s)
+        arena.reap()
+
+
+async def serve(cfg: vision_config.VisionConfig) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    spec = load_spec(cfg.model)
+    encoder = VisionEncoder(spec, cfg.device, cfg.dtype)
+    arena = ShmArena(encoder.feature_bytes, cfg.arena_slots, cfg.lease_ttl_s)
+    batcher = VisionBatcher(encoder, cfg.max_batch)
+    batcher.start()
+    servicer = VisionServicer(encoder, batcher, arena, cfg.preprocess_workers)
+    reaper = asyncio.create_task(_reap_forever(arena, max(cfg.lease_ttl_s / 4, 0.05)))
+    try:
+        running = await start_server(
+            cfg.server.host,
+            cfg.server.port,
+            [lambda s: vision_pb2_grpc.add_VisionServicer_to_server(servicer, s)],
+            [vision_pb2.DESCRIPTOR.services_by_name["Vision"].full_name],
+        )
+        log.info(
+            "vision serving on %s:%d (arena %s, %d slots)",
+            cfg.server.host,
+            running.port,
+            arena.name,
+            cfg.arena_slots,
+        )
+        await serve_until_signal(running, cfg.server.grace_s)
+    finally:
+        reaper.cancel()
+        await batcher.stop()
+        servicer.close()
+        with contextlib.suppress(Exception):
+            arena.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = vision_config.parse(argv)
+    except ValueError as err:
+        print(f"vlmesh serve vision: error: {err}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.server.log_level, "vision")
+    try:
+        asyncio.run(serve(cfg))
+    except MeshError as err:  # a bad checkpoint or device: say so and exit non-zero
+        log.error("cannot start: %s", err.message)
+        return 2
+    return 0

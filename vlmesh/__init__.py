@@ -1,0 +1,1 @@
+"""vlmesh public API: generated gRPC stubs of protos/vlmesh/v1."""

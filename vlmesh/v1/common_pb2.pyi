@@ -1,0 +1,178 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_SHM: _ClassVar[Transport]
+    TRANSPORT_CUDA_IPC: _ClassVar[Transport]
+    TRANSPORT_INLINE: _ClassVar[Transport]
+
+class ReadySignal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    READY_SIGNAL_UNSPECIFIED: _ClassVar[ReadySignal]
+    READY_SIGNAL_PRODUCER_SYNCED: _ClassVar[ReadySignal]
+    READY_SIGNAL_CUDA_EVENT: _ClassVar[ReadySignal]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_SHM: Transport
+TRANSPORT_CUDA_IPC: Transport
+TRANSPORT_INLINE: Transport
+READY_SIGNAL_UNSPECIFIED: ReadySignal
+READY_SIGNAL_PRODUCER_SYNCED: ReadySignal
+READY_SIGNAL_CUDA_EVENT: ReadySignal
+
+class Image(_message.Message):
+    __slots__ = ("data", "mime_type")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    mime_type: str
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "min_tokens", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    min_tokens: int
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "image_tokens", "output_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    image_tokens: int
+    output_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+
+class StageTimings(_message.Message):
+    __slots__ = ("admission_ms", "vision_queue_ms", "preprocess_ms", "vision_ms", "handoff_ms", "llm_queue_ms", "prefill_ms", "decode_ms", "ttft_ms", "total_ms")
+    ADMISSION_MS_FIELD_NUMBER: _ClassVar[int]
+    VISION_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_MS_FIELD_NUMBER: _ClassVar[int]
+    VISION_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_MS_FIELD_NUMBER: _ClassVar[int]
+    LLM_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    admission_ms: float
+    vision_queue_ms: float
+    preprocess_ms: float
+    vision_ms: float
+    handoff_ms: float
+    llm_queue_ms: float
+    prefill_ms: float
+    decode_ms: float
+    ttft_ms: float
+    total_ms: float
+    def __init__(self, admission_ms: _Optional[float] = ..., vision_queue_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., vision_ms: _Optional[float] = ..., handoff_ms: _Optional[float] = ..., llm_queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("id", "expires_unix_ms")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    expires_unix_ms: int
+    def __init__(self, id: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class TensorRef(_message.Message):
+    __slots__ = ("transport", "arena_id", "producer_host_id", "gpu_uuid", "offset", "nbytes", "shape", "dtype", "lease", "ready", "ready_event", "inline_data")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
+    transport: Transport
+    arena_id: str
+    producer_host_id: str
+    gpu_uuid: str
+    offset: int
+    nbytes: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    lease: Lease
+    ready: ReadySignal
+    ready_event: bytes
+    inline_data: bytes
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., arena_id: _Optional[str] = ..., producer_host_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., ready: _Optional[_Union[ReadySignal, str]] = ..., ready_event: _Optional[bytes] = ..., inline_data: _Optional[bytes] = ...) -> None: ...
+
+class ConsumerInfo(_message.Message):
+    __slots__ = ("host_id", "gpu_uuid", "accept")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    gpu_uuid: str
+    accept: _containers.RepeatedScalarFieldContainer[Transport]
+    def __init__(self, host_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., accept: _Optional[_Iterable[_Union[Transport, str]]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServiceInfo(_message.Message):
+    __slots__ = ("service", "model_id", "host_id", "gpu_uuid", "transports", "max_context", "image_tokens", "default_max_tokens")
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    service: str
+    model_id: str
+    host_id: str
+    gpu_uuid: str
+    transports: _containers.RepeatedScalarFieldContainer[Transport]
+    max_context: int
+    image_tokens: int
+    default_max_tokens: int
+    def __init__(self, service: _Optional[str] = ..., model_id: _Optional[str] = ..., host_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., max_context: _Optional[int] = ..., image_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ...) -> None: ...
