@@ -75,6 +75,7 @@ def from_rpc_error(err: grpc.RpcError, peer: str) -> MeshError:
         grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
         grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
         grpc.StatusCode.CANCELLED: Cancelled,
+        grpc.StatusCode.INTERNAL: MeshError,
     }
     kind = kinds.get(code)
     if kind is ResourceExhausted:

@@ -99,6 +99,7 @@ class ModelRunner:
             r.computed += 1
         return logits
 
+    @torch.inference_mode()
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
         """logits [B, vocab] -> one token id per request (one host sync for the batch)."""
         for i, r in enumerate(reqs):

@@ -58,19 +58,19 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             feats.append(tensor)
         return feats
 
-    def _release(self, refs) -> None:
-        """Hand the leases back now; the producer's TTL covers a lost release."""
+    async def _release(self, refs) -> None:
+        """Hand the leases back; the producer's TTL covers a release that gets lost."""
         lease_ids = [r.lease.id for r in refs if r.transport != pb.TRANSPORT_INLINE and r.lease.id]
         if not lease_ids or self._vision is None:
             return
+        try:
+            await self._vision.Release(vision_pb2.ReleaseRequest(lease_ids=lease_ids), timeout=5)
+        except grpc.RpcError as err:
+            log.warning("lease release failed (the TTL will reclaim them): %s", err.code().name)
 
-        async def release() -> None:
-            try:
-                await self._vision.Release(vision_pb2.ReleaseRequest(lease_ids=lease_ids), timeout=5)
-            except grpc.RpcError as err:
-                log.warning("lease release failed (the TTL will reclaim them): %s", err.code().name)
-
-        task = asyncio.create_task(release())
+    def _release_soon(self, refs) -> None:
+        """Release without delaying the request (the happy path)."""
+        task = asyncio.create_task(self._release(refs))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -84,8 +84,10 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
         t0 = time.perf_counter()
         try:
             features = self._import_features(request.image_features)
-        finally:
-            self._release(request.image_features)
+        except BaseException:
+            await self._release(request.image_features)  # answered only once the slots are back
+            raise
+        self._release_soon(request.image_features)
         handoff_ms = (time.perf_counter() - t0) * 1000
         prompt = self.prompts.build(request.prompt, len(features))
         room = self.spec.text.max_context - len(prompt.ids)

@@ -1,0 +1,63 @@
+"""Shared fixtures: a tiny random LLaVA checkpoint and a real three-process mesh on it."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from services.launcher import Mesh, MeshOptions
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `make test-gpu` on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A random LLaVA written by transformers' save_pretrained (center crop on, 32 px, 16 image tokens)."""
+    from services.model.tiny import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava"), seed=0)
+
+
+def image_bytes(seed: int, size: tuple[int, int] = (48, 40), fmt: str = "PNG") -> bytes:
+    """A random-noise picture (width, height) encoded as `fmt`."""
+    rng = np.random.default_rng(seed)
+    arr = (rng.random((size[1], size[0], 3)) * 255).astype("uint8")
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def mesh(tiny_model):
+    """gateway, vision and llm as three real processes on ephemeral ports."""
+    opts = MeshOptions(
+        model=str(tiny_model),
+        gateway_port=0,
+        vision_port=0,
+        llm_port=0,
+        device="cpu",
+        threads=1,
+        warmup_requests=1,
+        log_level="warning",
+        extra_env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+    )
+    with Mesh(opts) as running:
+        running.start(progress=lambda msg: None)
+        yield running

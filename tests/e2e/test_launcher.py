@@ -1,0 +1,132 @@
+"""`vlmesh up`, `vlmesh generate` and `vlmesh demo` as a user runs them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.launcher import Mesh, MeshOptions
+from tests.conftest import image_bytes
+from vlmesh.v1 import common_pb2 as pb
+from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
+
+VLMESH = [sys.executable, "-m", "services.cli"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def start_up(model, *extra) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [*VLMESH, "up", "--model", str(model), "--gateway-port", "0", "--vision-port", "0", "--llm-port", "0",
+         "--warmup-requests", "2", "--log-level", "warning", "--threads", "1", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("gateway ready on "):
+            return proc, line.split()[-1]
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"no ready line; stderr:\n{proc.stderr.read()}")
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_up_generate_and_ctrl_c(tiny_model, tmp_path):
+    proc, target = start_up(tiny_model)
+    kids = children(proc.pid)
+    assert len(kids) == 3
+    image = tmp_path / "pic.jpg"
+    image.write_bytes(image_bytes(5, fmt="JPEG"))
+    result = subprocess.run(
+        [*VLMESH, "generate", "--image", str(image), "--prompt", "What is in the image?", "--target", target,
+         "--max-tokens", "5", "--qos-level", "realtime", "--timings"],
+        capture_output=True, text=True, env=ENV, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "5 tokens" in result.stderr and "prefill" in result.stderr
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    for pid in kids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_launcher_names_the_child_that_died(tiny_model):
+    proc, _ = start_up(tiny_model)
+    llm = [pid for pid in children(proc.pid) if "services.llm" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(llm) == 1
+    os.kill(llm[0], signal.SIGKILL)
+    assert proc.wait(timeout=60) != 0
+    assert "the llm process killed by SIGKILL" in proc.stderr.read()
+
+
+def test_bad_model_directory_fails_fast(tmp_path):
+    result = subprocess.run([*VLMESH, "up", "--model", str(tmp_path)], capture_output=True, text=True, env=ENV,
+                            timeout=60)
+    assert result.returncode == 2
+    assert "no config.json" in result.stderr
+
+
+def test_child_start_failure_is_reported(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+    proc = subprocess.run(
+        [*VLMESH, "up", "--model", str(tmp_path), "--gateway-port", "0", "--vision-port", "0", "--llm-port", "0"],
+        capture_output=True, text=True, env=ENV, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "process exited with code 2" in proc.stderr
+    assert "expected 'llava'" in proc.stderr
+
+
+def test_sigterm_drains_in_flight_streams(tiny_model):
+    opts = MeshOptions(model=str(tiny_model), gateway_port=0, vision_port=0, llm_port=0, device="cpu", threads=1,
+                       warmup_requests=0, log_level="warning")
+    with Mesh(opts) as mesh:
+        mesh.start(progress=lambda m: None)
+        gateway = next(c for c in mesh.children if c.name == "gateway")
+        got: dict = {}
+        first = threading.Event()
+
+        def long_stream():
+            with grpc.insecure_channel(mesh.target("gateway")) as ch:
+                req = gateway_pb2.GenerateRequest(
+                    images=[pb.Image(data=image_bytes(1))], prompt="Describe the picture in detail.",
+                    sampling=pb.SamplingParams(max_tokens=400, min_tokens=400),
+                )
+                for msg in gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=120):
+                    first.set()
+                    got["final"] = msg
+                got["ended"] = time.monotonic()
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        assert first.wait(60)
+        gateway.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        t.join(120)
+        assert got["ended"] > signalled, "the stream must still have been running at SIGTERM"
+        assert got["final"].finish_reason == pb.FINISH_REASON_LENGTH
+        assert got["final"].usage.output_tokens == 400
+        assert gateway.proc.wait(timeout=30) == 0
+
+
+@pytest.mark.timeout(300)
+def test_make_demo_command_runs(tmp_path):
+    result = subprocess.run([*VLMESH, "demo"], capture_output=True, text=True, env=ENV, timeout=280)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "answer: " in result.stdout and "decode" in result.stdout
+    assert "stopping the mesh" in result.stdout
+    if not (Path(__file__).resolve().parents[2] / "models" / "demo" / "config.json").is_file():
+        assert "RANDOM weights" in result.stdout

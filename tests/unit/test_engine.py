@@ -1,0 +1,125 @@
+"""The llm engine without gRPC: batching, sampling, stops and aborts."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from services.common.qos import QosLevel
+from services.common.sampling import check_sampling
+from services.llm.detokenizer import Detokenizer
+from services.llm.engine import Engine
+from services.llm.request import Finish, Request
+from services.llm.runner import ModelRunner
+from services.model.prompt import PromptBuilder
+from services.model.spec import load_spec
+from services.vision.encoder import VisionEncoder
+from tests.conftest import image_bytes
+from vlmesh.v1 import common_pb2 as pb
+
+
+class Parts:
+    def __init__(self, model_dir, max_batch: int) -> None:
+        spec = load_spec(model_dir)
+        self.prompts = PromptBuilder(spec)
+        self.vision = VisionEncoder(spec, "cpu", "float32")
+        self.engine = Engine(ModelRunner(spec, torch.device("cpu"), torch.float32, max_batch), max_batch)
+        self.engine.start()
+        self._n = 0
+
+    def request(self, image_seed: int, prompt: str, **sampling) -> tuple[Request, dict]:
+        feats = self.vision.encode(self.vision.pixels(image_bytes(image_seed))[None])[0]
+        built = self.prompts.build(prompt, 1)
+        s = check_sampling(pb.SamplingParams(**sampling), 512)
+        done = threading.Event()
+        box = {"ids": [], "text": "", "finish": None, "done": done}
+
+        def emit(out):
+            box["ids"] += out.token_ids
+            box["text"] += out.text
+            if out.finish is not None:
+                box["finish"] = out.finish
+                done.set()
+
+        self._n += 1
+        req = Request(
+            id=f"r{self._n}", prompt_ids=built.ids, image_positions=built.image_positions, image_features=[feats],
+            text_tokens=built.text_tokens, sampling=s, max_new=s.max_tokens or 64, qos=QosLevel.STANDARD,
+            detok=Detokenizer(self.prompts.tokenizer, s.stop), emit=emit,
+        )
+        return req, box
+
+    def run(self, *pairs) -> None:
+        for req, _ in pairs:
+            self.engine.add(req)
+        for _, box in pairs:
+            assert box["done"].wait(60)
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_model):
+    p = Parts(tiny_model, max_batch=3)
+    yield p
+    p.engine.stop()
+
+
+PROMPTS = ["What is in the image?", "Describe the picture in detail.", "What shape is it?", "Why?", "What color?"]
+
+
+def test_batched_equals_alone(parts):
+    """Five requests through 3 slots (joining and leaving mid-batch) decode as they do alone."""
+    alone = []
+    for i, prompt in enumerate(PROMPTS):
+        pair = parts.request(i, prompt, max_tokens=8 + i, min_tokens=8 + i)
+        parts.run(pair)
+        alone.append(pair[1]["ids"])
+    pairs = [parts.request(i, prompt, max_tokens=8 + i, min_tokens=8 + i) for i, prompt in enumerate(PROMPTS)]
+    parts.run(*pairs)
+    assert [box["ids"] for _, box in pairs] == alone
+    assert all(box["finish"] is Finish.LENGTH for _, box in pairs)
+    assert parts.engine.load == {"running": 0, "waiting": 0, "free_slots": 3}
+
+
+def test_seeded_sampling_is_reproducible(parts):
+    a = parts.request(1, PROMPTS[0], max_tokens=12, min_tokens=12, temperature=1.0, seed=7)
+    b = parts.request(1, PROMPTS[0], max_tokens=12, min_tokens=12, temperature=1.0, seed=7)
+    c = parts.request(1, PROMPTS[0], max_tokens=12, min_tokens=12, temperature=1.0, seed=8)
+    parts.run(a, b, c)
+    assert a[1]["ids"] == b[1]["ids"]
+    assert a[1]["ids"] != c[1]["ids"]
+
+
+def test_top_p_tiny_is_greedy(parts):
+    greedy = parts.request(2, PROMPTS[1], max_tokens=10, min_tokens=10)
+    nucleus = parts.request(2, PROMPTS[1], max_tokens=10, min_tokens=10, temperature=1.0, top_p=1e-6, seed=3)
+    parts.run(greedy, nucleus)
+    assert greedy[1]["ids"] == nucleus[1]["ids"]
+
+
+def test_stop_string_ends_generation(parts):
+    free = parts.request(3, PROMPTS[2], max_tokens=16, min_tokens=16)
+    parts.run(free)
+    text = free[1]["text"]
+    assert len(text) > 4
+    stop = text[2:4]
+    stopped = parts.request(3, PROMPTS[2], max_tokens=16, min_tokens=16, stop=[stop])
+    parts.run(stopped)
+    assert stopped[1]["finish"] is Finish.STOP
+    assert stopped[1]["text"] == text[: text.find(stop)]
+
+
+def test_abort_frees_the_slot(parts):
+    pairs = [parts.request(i, PROMPTS[0], max_tokens=400, min_tokens=400) for i in range(3)]
+    for req, _ in pairs:
+        parts.engine.add(req)
+    for req, _ in pairs:
+        parts.engine.abort(req.id)
+    for _, box in pairs:
+        assert box["done"].wait(30)
+        assert box["finish"] is Finish.ABORT
+    assert parts.engine.load == {"running": 0, "waiting": 0, "free_slots": 3}
+    ok = parts.request(0, PROMPTS[0], max_tokens=3)
+    parts.run(ok)
+    assert ok[1]["finish"] in (Finish.LENGTH, Finish.STOP)

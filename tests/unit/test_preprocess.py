@@ -1,0 +1,73 @@
+"""Our Pillow/numpy preprocessing equals transformers' CLIPImageProcessor."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from services.common.errors import InvalidArgument
+from services.model.preprocess import ImageProcessorConfig, decode_image, preprocess
+
+
+def picture(w: int, h: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
+    return img.convert(mode)
+
+
+CONFIGS = {
+    "shortest-edge + crop": dict(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+    "fixed size, no crop": dict(size={"height": 48, "width": 48}, crop_size={"height": 48, "width": 48},
+                                do_center_crop=False),
+    "llava-336": dict(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("size", [(48, 40), (40, 97), (300, 120), (32, 32), (17, 500)])
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P"])
+def test_matches_transformers(tmp_path, name, size, mode):
+    from transformers import CLIPImageProcessor
+
+    hf = CLIPImageProcessor(**CONFIGS[name])
+    hf.save_pretrained(tmp_path)
+    side = CONFIGS[name]["crop_size"]["height"]
+    cfg = ImageProcessorConfig.load(tmp_path, side)
+    img = picture(*size, mode=mode)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    ours = preprocess(decode_image(buf.getvalue()), cfg)
+    ref = hf(images=Image.open(io.BytesIO(buf.getvalue())), return_tensors="pt")["pixel_values"][0]
+    assert ours.shape == ref.shape == (3, side, side)
+    assert (ours - ref).abs().max().item() < 1e-5
+
+
+def test_output_size_must_match_the_vit(tmp_path):
+    from transformers import CLIPImageProcessor
+
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(tmp_path)
+    with pytest.raises(InvalidArgument, match="image_size 64"):
+        ImageProcessorConfig.load(tmp_path, 64)
+
+
+@pytest.mark.parametrize("data", [b"", b"GIF89a broken", b"\x89PNG\r\n\x1a\n" + b"\0" * 20, b"hello"])
+def test_undecodable_bytes(data):
+    with pytest.raises(InvalidArgument):
+        decode_image(data)
+
+
+def test_pixel_limit():
+    buf = io.BytesIO()
+    Image.new("RGB", (300, 300)).save(buf, format="PNG")
+    with pytest.raises(InvalidArgument, match="pixels"):
+        decode_image(buf.getvalue(), max_pixels=10_000)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF"])
+def test_formats_pillow_reads(fmt):
+    buf = io.BytesIO()
+    picture(40, 30).save(buf, format=fmt)
+    assert decode_image(buf.getvalue()).size == (40, 30)

@@ -1,0 +1,55 @@
+"""Sampling, qos-level and checkpoint-key handling."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.common.qos import QosLevel, parse_qos, qos_from_metadata
+from services.common.sampling import check_sampling
+from services.model.checkpoint import canonical_key
+from vlmesh.v1 import common_pb2 as pb
+
+
+def test_defaults_are_greedy_and_unbounded():
+    s = check_sampling(pb.SamplingParams(), 512)
+    assert s.greedy and s.max_tokens is None and s.top_p == 1.0 and s.seed is None
+
+
+@pytest.mark.parametrize(
+    "params,needle",
+    [(pb.SamplingParams(max_tokens=0), "max_tokens=0"), (pb.SamplingParams(max_tokens=512), "max_tokens=512"),
+     (pb.SamplingParams(temperature=float("nan")), "temperature"), (pb.SamplingParams(top_p=1.5), "top_p"),
+     (pb.SamplingParams(stop=[""]), "stop[0]"), (pb.SamplingParams(stop=["x"] * 17), "at most 16")],
+)
+def test_bad_sampling(params, needle):
+    with pytest.raises(InvalidArgument, match=None) as info:
+        check_sampling(params, 512)
+    assert needle in info.value.message
+
+
+def test_qos_levels():
+    assert parse_qos(None) is QosLevel.STANDARD
+    assert parse_qos("best-effort") is QosLevel.BEST_EFFORT
+    assert qos_from_metadata([("other", "x"), ("qos-level", "realtime")]) is QosLevel.REALTIME
+    assert QosLevel.REALTIME < QosLevel.STANDARD < QosLevel.BEST_EFFORT
+    with pytest.raises(InvalidArgument, match="unknown qos-level"):
+        parse_qos("gold")
+
+
+@pytest.mark.parametrize(
+    "key,expected",
+    [
+        ("vision_tower.encoder.layers.0.mlp.fc1.weight", ("vision", "encoder.layers.0.mlp.fc1.weight")),
+        ("vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight", ("vision", "encoder.layers.0.mlp.fc1.weight")),
+        ("model.vision_tower.vision_model.embeddings.class_embedding", ("vision", "embeddings.class_embedding")),
+        ("multi_modal_projector.linear_1.weight", ("vision", "multi_modal_projector.linear_1.weight")),
+        ("model.multi_modal_projector.linear_2.bias", ("vision", "multi_modal_projector.linear_2.bias")),
+        ("language_model.model.layers.1.self_attn.q_proj.weight", ("text", "layers.1.self_attn.q_proj.weight")),
+        ("model.language_model.embed_tokens.weight", ("text", "embed_tokens.weight")),
+        ("language_model.lm_head.weight", ("text", "lm_head.weight")),
+        ("lm_head.weight", ("text", "lm_head.weight")),
+    ],
+)
+def test_checkpoint_key_layouts(key, expected):
+    assert canonical_key(key) == expected
