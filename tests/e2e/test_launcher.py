@@ -24,9 +24,29 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 def start_up(model, *extra) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [*VLMESH, "up", "--model", str(model), "--gateway-port", "0", "--vision-port", "0", "--llm-port", "0",
-         "--warmup-requests", "2", "--log-level", "warning", "--threads", "1", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+        [
+            *VLMESH,
+            "up",
+            "--model",
+            str(model),
+            "--gateway-port",
+            "0",
+            "--vision-port",
+            "0",
+            "--llm-port",
+            "0",
+            "--warmup-requests",
+            "2",
+            "--log-level",
+            "warning",
+            "--threads",
+            "1",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -51,9 +71,25 @@ def test_up_generate_and_ctrl_c(tiny_model, tmp_path):
     image = tmp_path / "pic.jpg"
     image.write_bytes(image_bytes(5, fmt="JPEG"))
     result = subprocess.run(
-        [*VLMESH, "generate", "--image", str(image), "--prompt", "What is in the image?", "--target", target,
-         "--max-tokens", "5", "--qos-level", "realtime", "--timings"],
-        capture_output=True, text=True, env=ENV, timeout=60,
+        [
+            *VLMESH,
+            "generate",
+            "--image",
+            str(image),
+            "--prompt",
+            "What is in the image?",
+            "--target",
+            target,
+            "--max-tokens",
+            "5",
+            "--qos-level",
+            "realtime",
+            "--timings",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     assert "5 tokens" in result.stderr and "prefill" in result.stderr
@@ -73,8 +109,9 @@ def test_launcher_names_the_child_that_died(tiny_model):
 
 
 def test_bad_model_directory_fails_fast(tmp_path):
-    result = subprocess.run([*VLMESH, "up", "--model", str(tmp_path)], capture_output=True, text=True, env=ENV,
-                            timeout=60)
+    result = subprocess.run(
+        [*VLMESH, "up", "--model", str(tmp_path)], capture_output=True, text=True, env=ENV, timeout=60
+    )
     assert result.returncode == 2
     assert "no config.json" in result.stderr
 
@@ -83,7 +120,10 @@ def test_child_start_failure_is_reported(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
     proc = subprocess.run(
         [*VLMESH, "up", "--model", str(tmp_path), "--gateway-port", "0", "--vision-port", "0", "--llm-port", "0"],
-        capture_output=True, text=True, env=ENV, timeout=120,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
     )
     assert proc.returncode == 1
     assert "process exited with code 2" in proc.stderr
@@ -91,8 +131,16 @@ def test_child_start_failure_is_reported(tmp_path):
 
 
 def test_sigterm_drains_in_flight_streams(tiny_model):
-    opts = MeshOptions(model=str(tiny_model), gateway_port=0, vision_port=0, llm_port=0, device="cpu", threads=1,
-                       warmup_requests=0, log_level="warning")
+    opts = MeshOptions(
+        model=str(tiny_model),
+        gateway_port=0,
+        vision_port=0,
+        llm_port=0,
+        device="cpu",
+        threads=1,
+        warmup_requests=0,
+        log_level="warning",
+    )
     with Mesh(opts) as mesh:
         mesh.start(progress=lambda m: None)
         gateway = next(c for c in mesh.children if c.name == "gateway")
@@ -102,7 +150,8 @@ def test_sigterm_drains_in_flight_streams(tiny_model):
         def long_stream():
             with grpc.insecure_channel(mesh.target("gateway")) as ch:
                 req = gateway_pb2.GenerateRequest(
-                    images=[pb.Image(data=image_bytes(1))], prompt="Describe the picture in detail.",
+                    images=[pb.Image(data=image_bytes(1))],
+                    prompt="Describe the picture in detail.",
                     sampling=pb.SamplingParams(max_tokens=400, min_tokens=400),
                 )
                 for msg in gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=120):

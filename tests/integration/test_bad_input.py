@@ -16,8 +16,11 @@ GOOD_IMAGE = image_bytes(7)
 
 
 def request(**kw) -> gateway_pb2.GenerateRequest:
-    base = {"images": [pb.Image(data=GOOD_IMAGE, mime_type="image/png")], "prompt": "What is in the image?",
-            "sampling": pb.SamplingParams(max_tokens=4)}
+    base = {
+        "images": [pb.Image(data=GOOD_IMAGE, mime_type="image/png")],
+        "prompt": "What is in the image?",
+        "sampling": pb.SamplingParams(max_tokens=4),
+    }
     base.update(kw)
     return gateway_pb2.GenerateRequest(**base)
 
@@ -110,7 +113,9 @@ def test_forged_and_released_refs_are_refused(mesh):
             return ref
 
         def refused(ref: pb.TensorRef) -> str:
-            req = llm_pb2.LlmGenerateRequest(prompt="What?", image_features=[ref], sampling=pb.SamplingParams(max_tokens=2))
+            req = llm_pb2.LlmGenerateRequest(
+                prompt="What?", image_features=[ref], sampling=pb.SamplingParams(max_tokens=2)
+            )
             with pytest.raises(grpc.RpcError) as err:
                 list(llm.Generate(req, timeout=30))
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()

@@ -21,7 +21,11 @@ def file_containing(target: str, symbol: str) -> list[bytes]:
     with grpc.insecure_channel(target) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         req = reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)
-        return [fd for r in stub.ServerReflectionInfo(iter([req])) for fd in r.file_descriptor_response.file_descriptor_proto]
+        return [
+            fd
+            for r in stub.ServerReflectionInfo(iter([req]))
+            for fd in r.file_descriptor_response.file_descriptor_proto
+        ]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -42,7 +46,10 @@ def test_request_fields_are_discoverable(mesh):
     """A client built from reflection finds images/prompt/sampling and the streamed `text`."""
     from google.protobuf import descriptor_pb2
 
-    protos = [descriptor_pb2.FileDescriptorProto.FromString(b) for b in file_containing(mesh.target("gateway"), "vlmesh.v1.Gateway")]
+    protos = [
+        descriptor_pb2.FileDescriptorProto.FromString(b)
+        for b in file_containing(mesh.target("gateway"), "vlmesh.v1.Gateway")
+    ]
     messages = {f"{p.package}.{m.name}": {f.name for f in m.field} for p in protos for m in p.message_type}
     assert {"images", "prompt", "sampling"} <= messages["vlmesh.v1.GenerateRequest"]
     assert "text" in messages["vlmesh.v1.GenerateResponse"]

@@ -47,8 +47,13 @@ def test_reused_slot_never_serves_old_reference(arena):
 
 @pytest.mark.parametrize(
     "offset_delta,nbytes,shape,match",
-    [(1, 256, [64], "out of bounds"), (10**9, 256, [64], "out of bounds"), (0, 10**6, [250000], "out of bounds"),
-     (0, 256, [65], "does not match"), (-(10**6), 256, [64], "out of bounds")],
+    [
+        (1, 256, [64], "out of bounds"),
+        (10**9, 256, [64], "out of bounds"),
+        (0, 10**6, [250000], "out of bounds"),
+        (0, 256, [65], "does not match"),
+        (-(10**6), 256, [64], "out of bounds"),
+    ],
 )
 def test_forged_references(arena, offset_delta, nbytes, shape, match):
     reader = ShmReader()

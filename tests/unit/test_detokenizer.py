@@ -27,8 +27,12 @@ def test_streamed_text_equals_full_decode(tokenizer, text):
 
 @pytest.mark.parametrize(
     "text,stop,expected",
-    [("a red circle and more", ("circle",), "a red "), ("What shape is it? A star!", ("?",), "What shape is it"),
-     ("no stop here", ("zzz",), "no stop here"), ("abc abc", ("c a", "bc"), "a")],
+    [
+        ("a red circle and more", ("circle",), "a red "),
+        ("What shape is it? A star!", ("?",), "What shape is it"),
+        ("no stop here", ("zzz",), "no stop here"),
+        ("abc abc", ("c a", "bc"), "a"),
+    ],
 )
 def test_stop_strings(tokenizer, text, stop, expected):
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -45,9 +45,16 @@ class Parts:
 
         self._n += 1
         req = Request(
-            id=f"r{self._n}", prompt_ids=built.ids, image_positions=built.image_positions, image_features=[feats],
-            text_tokens=built.text_tokens, sampling=s, max_new=s.max_tokens or 64, qos=QosLevel.STANDARD,
-            detok=Detokenizer(self.prompts.tokenizer, s.stop), emit=emit,
+            id=f"r{self._n}",
+            prompt_ids=built.ids,
+            image_positions=built.image_positions,
+            image_features=[feats],
+            text_tokens=built.text_tokens,
+            sampling=s,
+            max_new=s.max_tokens or 64,
+            qos=QosLevel.STANDARD,
+            detok=Detokenizer(self.prompts.tokenizer, s.stop),
+            emit=emit,
         )
         return req, box
 

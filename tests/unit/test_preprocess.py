@@ -20,8 +20,9 @@ def picture(w: int, h: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
 
 CONFIGS = {
     "shortest-edge + crop": dict(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
-    "fixed size, no crop": dict(size={"height": 48, "width": 48}, crop_size={"height": 48, "width": 48},
-                                do_center_crop=False),
+    "fixed size, no crop": dict(
+        size={"height": 48, "width": 48}, crop_size={"height": 48, "width": 48}, do_center_crop=False
+    ),
     "llava-336": dict(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}),
 }
 

@@ -18,9 +18,14 @@ def test_defaults_are_greedy_and_unbounded():
 
 @pytest.mark.parametrize(
     "params,needle",
-    [(pb.SamplingParams(max_tokens=0), "max_tokens=0"), (pb.SamplingParams(max_tokens=512), "max_tokens=512"),
-     (pb.SamplingParams(temperature=float("nan")), "temperature"), (pb.SamplingParams(top_p=1.5), "top_p"),
-     (pb.SamplingParams(stop=[""]), "stop[0]"), (pb.SamplingParams(stop=["x"] * 17), "at most 16")],
+    [
+        (pb.SamplingParams(max_tokens=0), "max_tokens=0"),
+        (pb.SamplingParams(max_tokens=512), "max_tokens=512"),
+        (pb.SamplingParams(temperature=float("nan")), "temperature"),
+        (pb.SamplingParams(top_p=1.5), "top_p"),
+        (pb.SamplingParams(stop=[""]), "stop[0]"),
+        (pb.SamplingParams(stop=["x"] * 17), "at most 16"),
+    ],
 )
 def test_bad_sampling(params, needle):
     with pytest.raises(InvalidArgument, match=None) as info:
