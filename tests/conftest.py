@@ -44,6 +44,22 @@ def image_bytes(seed: int, size: tuple[int, int] = (48, 40), fmt: str = "PNG") -
     return buf.getvalue()
 
 
+def pil_clip_processor_class():
+    """transformers' PIL implementation of CLIPImageProcessor: the reference we match.
+
+    Where torchvision is installed (the GPU machine), `CLIPImageProcessor` is the
+    torchvision backend, whose bicubic resize differs from Pillow's.
+    """
+    try:
+        from transformers import CLIPImageProcessorPil
+
+        return CLIPImageProcessorPil
+    except ImportError:  # older transformers: the class is the PIL one
+        from transformers import CLIPImageProcessor
+
+        return CLIPImageProcessor
+
+
 @pytest.fixture(scope="session")
 def mesh(tiny_model):
     """gateway, vision and llm as three real processes on ephemeral ports."""

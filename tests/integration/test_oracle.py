@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import image_bytes
+from tests.conftest import image_bytes, pil_clip_processor_class
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -21,22 +21,29 @@ CASES = [
 ]
 
 
-def hf_greedy(model_dir, data: bytes, prompt: str, n: int) -> list[int]:
-    from transformers import AutoTokenizer, CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
+def hf_inputs(model_dir, data: bytes, prompt: str):
+    """transformers' own processor on the same bytes: input_ids and pixel_values."""
+    from transformers import AutoTokenizer, LlavaProcessor
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     proc = LlavaProcessor(
-        image_processor=CLIPImageProcessor.from_pretrained(model_dir),
+        image_processor=pil_clip_processor_class().from_pretrained(model_dir),
         tokenizer=tok,
         patch_size=8,
         vision_feature_select_strategy="default",
         chat_template=tok.chat_template,
         num_additional_image_tokens=1,
     )
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = proc(images=Image.open(io.BytesIO(data)), text=text, return_tensors="pt")
+    return proc(images=Image.open(io.BytesIO(data)), text=text, return_tensors="pt")
+
+
+def hf_greedy(model_dir, data: bytes, prompt: str, n: int) -> list[int]:
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    inputs = hf_inputs(model_dir, data, prompt)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -10,6 +10,7 @@ from PIL import Image
 
 from services.common.errors import InvalidArgument
 from services.model.preprocess import ImageProcessorConfig, decode_image, preprocess
+from tests.conftest import pil_clip_processor_class
 
 
 def picture(w: int, h: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
@@ -31,9 +32,7 @@ CONFIGS = {
 @pytest.mark.parametrize("size", [(48, 40), (40, 97), (300, 120), (32, 32), (17, 500)])
 @pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P"])
 def test_matches_transformers(tmp_path, name, size, mode):
-    from transformers import CLIPImageProcessor
-
-    hf = CLIPImageProcessor(**CONFIGS[name])
+    hf = pil_clip_processor_class()(**CONFIGS[name])
     hf.save_pretrained(tmp_path)
     side = CONFIGS[name]["crop_size"]["height"]
     cfg = ImageProcessorConfig.load(tmp_path, side)
@@ -47,9 +46,9 @@ def test_matches_transformers(tmp_path, name, size, mode):
 
 
 def test_output_size_must_match_the_vit(tmp_path):
-    from transformers import CLIPImageProcessor
-
-    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(tmp_path)
+    pil_clip_processor_class()(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(
+        tmp_path
+    )
     with pytest.raises(InvalidArgument, match="image_size 64"):
         ImageProcessorConfig.load(tmp_path, 64)
 

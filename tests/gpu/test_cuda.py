@@ -1,0 +1,118 @@
+"""The same checkpoint on the GPU: in-process engine and the full three-process mesh."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from services.launcher import Mesh, MeshOptions
+from tests.conftest import image_bytes
+from tests.integration.test_oracle import CASES, hf_inputs
+from tests.unit.test_engine import PROMPTS, Parts
+from vlmesh.v1 import common_pb2 as pb
+from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    # TF32 convolutions/matmuls would make fp32 differ from the CPU in the last bits.
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+
+
+class CudaParts(Parts):
+    def __init__(self, model_dir, max_batch: int, dtype: str) -> None:
+        from services.llm.engine import Engine
+        from services.llm.runner import ModelRunner
+        from services.model.prompt import PromptBuilder
+        from services.model.spec import load_spec, resolve_dtype
+        from services.vision.encoder import VisionEncoder
+
+        spec = load_spec(model_dir)
+        device = torch.device("cuda")
+        self.prompts = PromptBuilder(spec)
+        self.vision = VisionEncoder(spec, "cuda", dtype)
+        self.engine = Engine(ModelRunner(spec, device, resolve_dtype(dtype, device), max_batch), max_batch)
+        self.engine.start()
+        self._n = 0
+
+
+def assert_greedy_under_transformers(model_dir, data: bytes, prompt: str, ids: list[int], device: str) -> None:
+    """Teacher-force our tokens through transformers on `device`: each must be its argmax, or
+    within float noise of it. Exact equality across devices is not a fair demand: a random
+    model has near-ties that last-bit differences between CPU and GPU kernels flip."""
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir).to(device).eval()
+    inputs = {k: v.to(device) for k, v in hf_inputs(model_dir, data, prompt).items()}
+    n = inputs["input_ids"].shape[1]
+    full = torch.cat([inputs["input_ids"], torch.tensor([ids], device=device)], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=full, pixel_values=inputs["pixel_values"]).logits[0, n - 1 : -1].float()
+    logits[:, model.generation_config.eos_token_id] = float("-inf")  # the request set min_tokens = 16
+    chosen = logits.gather(1, torch.tensor(ids, device=device)[:, None])[:, 0]
+    best = logits.max(-1).values
+    gap = (best - chosen).max().item()
+    assert gap <= 1e-3 * max(1.0, best.abs().max().item()), f"a token was not greedy: logit gap {gap}"
+    exact = logits.argmax(-1).tolist() == ids
+    print(f"{prompt!r}: exact argmax match={exact}, worst gap {gap:.2e}")
+
+
+def run_all(parts, n_tokens: int) -> list[list[int]]:
+    pairs = [parts.request(i, p, max_tokens=n_tokens, min_tokens=n_tokens) for i, p in enumerate(PROMPTS)]
+    parts.run(*pairs)
+    return [box["ids"] for _, box in pairs]
+
+
+def test_cuda_engine_matches_cpu_engine(tiny_model):
+    cpu = Parts(tiny_model, max_batch=3)
+    gpu = CudaParts(tiny_model, max_batch=3, dtype="float32")
+    try:
+        assert run_all(gpu, 16) == run_all(cpu, 16)
+    finally:
+        cpu.engine.stop()
+        gpu.engine.stop()
+
+
+def test_cuda_engine_bf16_runs(tiny_model):
+    gpu = CudaParts(tiny_model, max_batch=3, dtype="bfloat16")
+    try:
+        outs = run_all(gpu, 16)
+        assert all(len(ids) == 16 for ids in outs)
+        assert gpu.engine.load == {"running": 0, "waiting": 0, "free_slots": 3}
+    finally:
+        gpu.engine.stop()
+
+
+def test_mesh_on_gpu_matches_transformers(tiny_model):
+    opts = MeshOptions(
+        model=str(tiny_model),
+        gateway_port=0,
+        vision_port=0,
+        llm_port=0,
+        device="cuda",
+        dtype="float32",
+        warmup_requests=1,
+        log_level="warning",
+        extra_env={"NVIDIA_TF32_OVERRIDE": "0"},
+    )
+    with Mesh(opts) as mesh, grpc.insecure_channel(mesh.target("gateway")) as channel:
+        mesh.start(progress=lambda m: None)
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        for data, prompt in CASES:
+            req = gateway_pb2.GenerateRequest(
+                images=[pb.Image(data=data)], prompt=prompt, sampling=pb.SamplingParams(max_tokens=16, min_tokens=16)
+            )
+            result = stub.GenerateUnary(req, timeout=120)
+            assert len(result.token_ids) == 16
+            assert_greedy_under_transformers(tiny_model, data, prompt, list(result.token_ids), "cuda")
+        bad = gateway_pb2.GenerateRequest(images=[pb.Image(data=b"nope")], prompt="x")
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GenerateUnary(bad, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert image_bytes(1)  # the fixture helpers import on the GPU host too
