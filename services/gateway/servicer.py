@@ -33,6 +33,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.llm = llm_pb2_grpc.LlmStub(grpc.aio.insecure_channel(llm_target, options=GRPC_OPTIONS))
         self.max_images = max_images
         self._llm_info: pb.ServiceInfo | None = None
+        self._background: set[asyncio.Task] = set()
 
     async def llm_info(self) -> pb.ServiceInfo:
         """The llm's model and limits, fetched once (it cannot change while it runs)."""
@@ -118,6 +119,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise from_rpc_error(err, "llm") from err
         except asyncio.CancelledError:
             call.cancel()
+            if not started:  # the llm may never have read them; don't wait for the TTL
+                task = asyncio.get_running_loop().create_task(self._release(encoded.features))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
             raise
 
     async def _release(self, refs) -> None:
