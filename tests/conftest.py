@@ -60,20 +60,26 @@ def pil_clip_processor_class():
         return CLIPImageProcessor
 
 
+def mesh_options(model, **overrides) -> MeshOptions:
+    """A CPU mesh on ephemeral ports, one torch thread per service (CI has 2 cores)."""
+    opts = {
+        "model": str(model),
+        "gateway_port": 0,
+        "vision_port": 0,
+        "llm_port": 0,
+        "device": "cpu",
+        "threads": 1,
+        "warmup_requests": 1,
+        "log_level": "warning",
+        "extra_env": {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+    }
+    opts.update(overrides)
+    return MeshOptions(**opts)
+
+
 @pytest.fixture(scope="session")
 def mesh(tiny_model):
     """gateway, vision and llm as three real processes on ephemeral ports."""
-    opts = MeshOptions(
-        model=str(tiny_model),
-        gateway_port=0,
-        vision_port=0,
-        llm_port=0,
-        device="cpu",
-        threads=1,
-        warmup_requests=1,
-        log_level="warning",
-        extra_env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
-    )
-    with Mesh(opts) as running:
+    with Mesh(mesh_options(tiny_model)) as running:
         running.start(progress=lambda msg: None)
         yield running

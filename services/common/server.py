@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable, Iterable
+import sys
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import MeshError
+from services.common.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -91,3 +95,28 @@ async def serve_until_signal(
         if asyncio.iscoroutine(result):
             await result
     log.info("stopped")
+
+
+def run_service(
+    name: str,
+    parse: Callable[[list[str] | None], object],
+    serve: Callable[[object], Awaitable[None]],
+    argv: list[str] | None,
+) -> int:
+    """Entry point of `vlmesh serve NAME`: parse and check the config, then serve.
+
+    A bad flag value exits 2 with the reason; so does a start-up failure the operator can
+    fix (a bad checkpoint, a missing device).
+    """
+    try:
+        cfg = parse(argv)
+    except ValueError as err:
+        print(f"vlmesh serve {name}: error: {err}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.server.log_level, name)  # type: ignore[attr-defined]
+    try:
+        asyncio.run(serve(cfg))
+    except MeshError as err:
+        logging.getLogger(name).error("cannot start: %s", err.message)
+        return 2
+    return 0

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import sys
 
-from services.common.logs import setup_logging
-from services.common.server import serve_until_signal, start_server
+from services.common.server import run_service, serve_until_signal, start_server
 from services.gateway import config as gateway_config
 from services.gateway.servicer import GatewayServicer
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
@@ -34,11 +31,4 @@ async def serve(cfg: gateway_config.GatewayConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = gateway_config.parse(argv)
-    except ValueError as err:
-        print(f"vlmesh serve gateway: error: {err}", file=sys.stderr)
-        return 2
-    setup_logging(cfg.server.log_level, "gateway")
-    asyncio.run(serve(cfg))
-    return 0
+    return run_service("gateway", gateway_config.parse, serve, argv)

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import sys
 
 import torch
 
 from services.common.config import resolve_device
-from services.common.errors import MeshError
-from services.common.logs import setup_logging
-from services.common.server import serve_until_signal, start_server
+from services.common.server import run_service, serve_until_signal, start_server
 from services.llm import config as llm_config
 from services.llm.engine import Engine
 from services.llm.runner import ModelRunner
@@ -47,15 +43,4 @@ async def serve(cfg: llm_config.LlmConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = llm_config.parse(argv)
-    except ValueError as err:
-        print(f"vlmesh serve llm: error: {err}", file=sys.stderr)
-        return 2
-    setup_logging(cfg.server.log_level, "llm")
-    try:
-        asyncio.run(serve(cfg))
-    except MeshError as err:
-        log.error("cannot start: %s", err.message)
-        return 2
-    return 0
+    return run_service("llm", llm_config.parse, serve, argv)

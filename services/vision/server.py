@@ -5,13 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 
 import torch
 
-from services.common.errors import MeshError
-from services.common.logs import setup_logging
-from services.common.server import serve_until_signal, start_server
+from services.common.server import run_service, serve_until_signal, start_server
 from services.common.shm_arena import ShmArena
 from services.model.spec import load_spec
 from services.vision import config as vision_config
@@ -63,15 +60,4 @@ async def serve(cfg: vision_config.VisionConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = vision_config.parse(argv)
-    except ValueError as err:
-        print(f"vlmesh serve vision: error: {err}", file=sys.stderr)
-        return 2
-    setup_logging(cfg.server.log_level, "vision")
-    try:
-        asyncio.run(serve(cfg))
-    except MeshError as err:  # a bad checkpoint or device: say so and exit non-zero
-        log.error("cannot start: %s", err.message)
-        return 2
-    return 0
+    return run_service("vision", vision_config.parse, serve, argv)

@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.launcher import Mesh, MeshOptions
-from tests.conftest import image_bytes
+from services.launcher import Mesh
+from tests.conftest import image_bytes, mesh_options
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -131,17 +131,7 @@ def test_child_start_failure_is_reported(tmp_path):
 
 
 def test_sigterm_drains_in_flight_streams(tiny_model):
-    opts = MeshOptions(
-        model=str(tiny_model),
-        gateway_port=0,
-        vision_port=0,
-        llm_port=0,
-        device="cpu",
-        threads=1,
-        warmup_requests=0,
-        log_level="warning",
-    )
-    with Mesh(opts) as mesh:
+    with Mesh(mesh_options(tiny_model, warmup_requests=0, log_level="warning")) as mesh:
         mesh.start(progress=lambda m: None)
         gateway = next(c for c in mesh.children if c.name == "gateway")
         got: dict = {}

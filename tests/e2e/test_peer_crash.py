@@ -8,8 +8,8 @@ import threading
 import grpc
 import pytest
 
-from services.launcher import Mesh, MeshOptions
-from tests.conftest import image_bytes
+from services.launcher import Mesh
+from tests.conftest import image_bytes, mesh_options
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -24,17 +24,7 @@ def request(n: int) -> gateway_pb2.GenerateRequest:
 
 @pytest.fixture
 def mesh(tiny_model):
-    opts = MeshOptions(
-        model=str(tiny_model),
-        gateway_port=0,
-        vision_port=0,
-        llm_port=0,
-        device="cpu",
-        threads=1,
-        warmup_requests=0,
-        log_level="error",
-    )
-    with Mesh(opts) as running:
+    with Mesh(mesh_options(tiny_model, warmup_requests=0, log_level="error")) as running:
         running.start(progress=lambda m: None)
         yield running
 
