@@ -293,6 +293,10 @@ def up(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model}: not a checkpoint directory (no config.json)")
+    try:
+        warmup_images(args.warmup_images)  # fail before starting anything
+    except MeshError as err:
+        p.error(str(err))
     mesh = Mesh(options_from_args(args))
 
     def say(msg: str) -> None:

@@ -61,27 +61,33 @@ class Cancelled(MeshError):
     code = grpc.StatusCode.CANCELLED
 
 
-def from_rpc_error(err: grpc.RpcError, peer: str) -> MeshError:
-    """Carry a downstream status upstream, naming the peer that gave it.
+# Downstream statuses that describe the request, not the peer: they travel upstream as they are.
+_PASS_THROUGH = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.INTERNAL,
+    }
+)
 
-    Caller mistakes (INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED, ...) keep
-    their code; a peer that is down or broken becomes UNAVAILABLE.
+
+def from_rpc_error(err: grpc.RpcError, peer: str) -> MeshError:
+    """Carry a downstream status upstream.
+
+    Statuses about the request keep their code and message; a peer that is down or
+    answers oddly becomes UNAVAILABLE, naming the peer.
     """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
-    kinds: dict[grpc.StatusCode, type[MeshError]] = {
-        grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-        grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-        grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-        grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-        grpc.StatusCode.CANCELLED: Cancelled,
-        grpc.StatusCode.INTERNAL: MeshError,
-    }
-    kind = kinds.get(code)
-    if kind is ResourceExhausted:
-        return ResourceExhausted(f"{peer}: {details}")
-    if kind is not None:
-        return kind(details or f"{peer}: {code.name}")
+    if code in _PASS_THROUGH:
+        out = MeshError(details or f"{peer}: {code.name}")
+        out.code = code
+        return out
     return Unavailable(f"{peer} failed with {code.name}: {details}")
 
 

@@ -65,7 +65,12 @@ def children(pid: int) -> list[int]:
 
 
 def test_up_generate_and_ctrl_c(tiny_model, tmp_path):
-    proc, target = start_up(tiny_model)
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / "a.png").write_bytes(image_bytes(8))
+    (warm / "b.webp").write_bytes(image_bytes(9, fmt="WEBP"))
+    (warm / "notes.txt").write_text("not an image, skipped")
+    proc, target = start_up(tiny_model, "--warmup-images", str(warm))
     kids = children(proc.pid)
     assert len(kids) == 3
     image = tmp_path / "pic.jpg"
@@ -106,6 +111,31 @@ def test_launcher_names_the_child_that_died(tiny_model):
     os.kill(llm[0], signal.SIGKILL)
     assert proc.wait(timeout=60) != 0
     assert "the llm process killed by SIGKILL" in proc.stderr.read()
+
+
+def test_empty_warmup_directory_is_an_error(tiny_model, tmp_path):
+    result = subprocess.run(
+        [
+            *VLMESH,
+            "up",
+            "--model",
+            str(tiny_model),
+            "--gateway-port",
+            "0",
+            "--vision-port",
+            "0",
+            "--llm-port",
+            "0",
+            "--warmup-images",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "no image files there" in result.stderr
 
 
 def test_bad_model_directory_fails_fast(tmp_path):
