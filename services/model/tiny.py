@@ -33,7 +33,7 @@ _CORPUS = [
 ]
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int):
+def build_tokenizer(out_dir: Path, vocab_size: int, corpus: list[str] | None = None):
     """A byte-level BPE tokenizer trained on a fixed corpus (deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -47,7 +47,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator((corpus or _CORPUS) * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
