@@ -1,58 +1,57 @@
 """`vlmesh demo`: start the mesh on the demo model, ask about one picture, print the answer
-with its per-stage timings, and stop."""
+with its per-stage timings, and stop.
+
+The demo model (models/demo, see its README) is trained to name the color and shape in
+pictures like those of services/model/shapes.py; the demo renders one and prints the
+generator's ground truth beside the model's answer."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from PIL import Image, ImageDraw
+import numpy as np
+from PIL import Image
 
 from services.client import build_request, format_timings, generate
 from services.launcher import Mesh, MeshError, MeshOptions
+from services.model.shapes import PROMPTS, Picture, render
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAINED_DEMO = ROOT / "models" / "demo"
+DEMO_MODEL = ROOT / "models" / "demo"
 CACHE = ROOT / ".cache"
 
 
-def demo_model(progress) -> tuple[Path, bool]:
-    """The trained demo model when the repo ships one, else a tiny random model (and say so)."""
-    if (TRAINED_DEMO / "config.json").is_file():
-        return TRAINED_DEMO, True
-    from services.model.tiny import build_tiny_llava
-
-    path = CACHE / "tiny-random-llava"
-    if not (path / "config.json").is_file():
-        progress(f"building a tiny random-weight LLaVA checkpoint in {path}")
-        build_tiny_llava(path, seed=0, image_size=64, center_crop=False)
-    return path, False
-
-
-def sample_picture(path: Path) -> Path:
-    """A red circle on a light background, 256x192 PNG."""
-    img = Image.new("RGB", (256, 192), (235, 232, 225))
-    ImageDraw.Draw(img).ellipse((78, 46, 178, 146), fill=(220, 30, 30))
+def sample_picture(path: Path, seed: int) -> Picture:
+    """A picture from the demo model's generator (services/model/shapes.py), saved as PNG."""
+    picture = render(np.random.default_rng(seed))
     path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path)
-    return path
+    picture.image.save(path)
+    return picture
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vlmesh demo", description=__doc__)
     p.add_argument("--image", type=Path, default=None, help="picture to send (default: a rendered sample)")
-    p.add_argument("--prompt", default="What is in the image?")
+    p.add_argument("--seed", type=int, default=7, help="which sample picture to render (default %(default)s)")
+    p.add_argument("--prompt", default="What is in the image?", help="default: %(default)s")
     p.add_argument("--log-level", default="warning", help="services' log level (default %(default)s)")
     args = p.parse_args(argv)
 
     def say(msg: str) -> None:
         print(f"demo: {msg}", flush=True)
 
-    model, trained = demo_model(say)
-    if not trained:
-        say("NOTE: no trained demo model in this checkout, so the mesh runs a tiny model with RANDOM weights.")
-        say("      The answer below is noise; it shows the path works, not that the model sees.")
-    image = args.image or sample_picture(CACHE / "demo-sample.png")
+    if not (DEMO_MODEL / "config.json").is_file():
+        say(f"error: the demo model is missing from {DEMO_MODEL} (it ships with the repository)")
+        return 1
+    model = DEMO_MODEL
+    truth = None
+    image = args.image
+    if image is None:
+        image = CACHE / f"demo-sample-{args.seed}.png"
+        picture = sample_picture(image, args.seed)
+        if args.prompt in PROMPTS:
+            truth = picture.answer(args.prompt)
     opts = MeshOptions(
         model=str(model),
         gateway_port=0,
@@ -75,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                 "standard",
                 60.0,
             )
+            if truth is not None:
+                say(f"the picture shows {truth!r} (the generator's ground truth)")
             u = final.usage
             say(f"{u.output_tokens} tokens; prompt {u.prompt_tokens} text + {u.image_tokens} image tokens")
             print("per-stage timings (from the gateway's final message):")

@@ -207,8 +207,7 @@ trained on generated pictures only.
 
 Training: {step} steps of batch {args.batch} ({images:,} pictures), AdamW lr {args.lr} with cosine decay,
 {minutes:.1f} minutes of device time in total, plus a training-only auxiliary head on the pooled image
-features (not shipped). Command: `python training/train_demo_model.py --device cuda` (see the script's
---help).
+features (not shipped). Command: `{" ".join(["python", "training/train_demo_model.py", *sys.argv[1:]])}`.
 
 Greedy exact-match accuracy on {args.eval_images} fresh pictures per prompt (eval seed {args.eval_seed},
 never used in training), answered by transformers' `LlavaForConditionalGeneration.generate`:
@@ -224,7 +223,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "models" / "demo", help="where the trained model goes")
     p.add_argument("--work", type=Path, default=ROOT / ".cache" / "train-demo", help="checkpoints (resume from here)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--steps", type=int, default=5000, help="optimizer steps in total (default %(default)s)")
+    p.add_argument("--steps", type=int, default=3500, help="optimizer steps in total (default %(default)s)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--aux-weight", type=float, default=1.0, help="weight of the auxiliary shape/color loss")
