@@ -82,3 +82,17 @@ def test_same_picture_twice_same_answer(stub):
     pic, data = pictures(1)[0]
     first = ask(stub, data, "What is in the image?")
     assert first == ask(stub, data, "What is in the image?") == pic.answer("What is in the image?")
+
+
+def test_transformers_loads_the_demo_model_and_agrees(stub):
+    """The shipped checkpoint is a plain transformers LLaVA: its greedy tokens equal the mesh's."""
+    from tests.integration.test_oracle import hf_greedy
+
+    for pic, data in pictures(4):
+        req = gateway_pb2.GenerateRequest(
+            images=[pb.Image(data=data)],
+            prompt="What is in the image?",
+            sampling=pb.SamplingParams(max_tokens=5, min_tokens=5),
+        )
+        ours = list(stub.GenerateUnary(req, timeout=60).token_ids)
+        assert ours == hf_greedy(DEMO, data, "What is in the image?", 5), pic
