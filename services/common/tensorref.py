@@ -1,8 +1,8 @@
 """TensorRef: how a tensor made in one process is reached from another.
 
 The producer picks the transport with `choose_transport` (negotiation), the consumer
-resolves a reference with `FeatureImporter.load`. Every fallback to inline bytes is
-logged and counted; none is silent.
+resolves a reference with `FeatureImporter.load`. Every fallback is logged and counted;
+none is silent.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from collections import Counter
 
 import torch
 
-from services.common.errors import FailedPrecondition, InvalidArgument
-from services.common.shm_arena import ShmReader
+from services.common.arena import ArenaView
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.shm_arena import read_host
 from vlmesh.v1 import common_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -25,35 +26,51 @@ TORCH_TO_PB = {
 }
 PB_TO_TORCH = {v: k for k, v in TORCH_TO_PB.items()}
 
-# Process-wide transport counters (requests and bytes by transport), read by /metrics later.
+# Process-wide hand-off counters (references and bytes by transport, fallbacks by reason).
 HANDOFF_COUNTS: Counter[str] = Counter()
 HANDOFF_BYTES: Counter[str] = Counter()
 
 
-def choose_transport(producer_host: str, offered: tuple[int, ...], consumer: pb.ConsumerInfo) -> int:
-    """Pick the best transport both sides support; inline bytes only as the metered last resort."""
+def transport_name(transport: int) -> str:
+    return pb.Transport.Name(transport) if transport in pb.Transport.values() else str(transport)
+
+
+def choose_transport(producer_host: str, producer_gpu: str, offered: tuple[int, ...], consumer: pb.ConsumerInfo) -> int:
+    """The consumer's most preferred transport that works between the two; inline bytes last.
+
+    CUDA IPC needs the same host and the same GPU; shared memory the same host.
+    """
     accept = tuple(consumer.accept) or (pb.TRANSPORT_INLINE,)
     same_host = consumer.host_id == producer_host
+    works = {
+        pb.TRANSPORT_CUDA_IPC: same_host and bool(producer_gpu) and consumer.gpu_uuid == producer_gpu,
+        pb.TRANSPORT_SHM: same_host,
+        pb.TRANSPORT_INLINE: True,
+    }
     for transport in accept:
-        if transport == pb.TRANSPORT_INLINE:
-            break
-        if transport in offered and same_host:
+        if transport in (*offered, pb.TRANSPORT_INLINE) and works.get(transport, False):
+            if transport != accept[0]:
+                why = (
+                    "another host"
+                    if not same_host
+                    else f"GPU {consumer.gpu_uuid or 'none'} vs {producer_gpu or 'none'}"
+                )
+                log.warning(
+                    "feature hand-off falls back from %s to %s (%s)",
+                    transport_name(accept[0]),
+                    transport_name(transport),
+                    why,
+                )
+                HANDOFF_COUNTS[f"fallback_to_{transport_name(transport)}"] += 1
             return transport
-    if pb.TRANSPORT_INLINE not in accept:
-        raise InvalidArgument(
-            f"no common transport: consumer on {consumer.host_id!r} accepts "
-            f"{[pb.Transport.Name(t) for t in accept]}, producer on {producer_host!r} offers "
-            f"{[pb.Transport.Name(t) for t in offered]} plus inline"
-        )
-    if accept[0] != pb.TRANSPORT_INLINE:
-        why = "another host" if not same_host else "no shared transport"
-        log.warning("feature hand-off falls back to inline bytes: consumer is on %s (%s)", consumer.host_id, why)
-        HANDOFF_COUNTS["inline_fallback"] += 1
-    return pb.TRANSPORT_INLINE
+    raise InvalidArgument(
+        f"no common transport: consumer on {consumer.host_id!r} accepts {[transport_name(t) for t in accept]}, "
+        f"producer on {producer_host!r} offers {[transport_name(t) for t in offered]}"
+    )
 
 
 def inline_ref(tensor: torch.Tensor, producer_host: str) -> pb.TensorRef:
-    data = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    data = tensor.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
     return pb.TensorRef(
         transport=pb.TRANSPORT_INLINE,
         producer_host_id=producer_host,
@@ -68,31 +85,69 @@ def inline_ref(tensor: torch.Tensor, producer_host: str) -> pb.TensorRef:
 class FeatureImporter:
     """Consumer side: turns TensorRefs into tensors, caching opened arenas."""
 
-    def __init__(self) -> None:
-        self.shm = ShmReader()
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        self._views: dict[str, ArenaView] = {}
+        self._cuda = None
+        if self.device.type == "cuda":
+            from services.common.cuda_arena import CudaImports
+
+            self._cuda = CudaImports(self.device)
+
+    @property
+    def transports(self) -> list[int]:
+        """What this process can open, best first."""
+        return ([pb.TRANSPORT_CUDA_IPC] if self._cuda else []) + [pb.TRANSPORT_SHM, pb.TRANSPORT_INLINE]
+
+    def _view(self, name: str) -> ArenaView:
+        view = self._views.get(name)
+        if view is None:
+            view = self._views[name] = ArenaView(name)
+        return view
 
     def load(self, ref: pb.TensorRef) -> torch.Tensor:
         dtype = PB_TO_TORCH.get(ref.dtype)
         if dtype is None:
             raise FailedPrecondition(f"tensor reference has unknown dtype {ref.dtype}")
         shape = list(ref.shape)
-        if any(d <= 0 for d in shape) or not shape:
+        if not shape or any(d <= 0 for d in shape):
             raise FailedPrecondition(f"tensor reference has an invalid shape {shape}")
-        name = pb.Transport.Name(ref.transport) if ref.transport in pb.Transport.values() else str(ref.transport)
-        if ref.transport == pb.TRANSPORT_SHM:
-            out = self.shm.read(ref.arena_id, ref.offset, ref.nbytes, ref.lease.id, dtype, shape)
-        elif ref.transport == pb.TRANSPORT_INLINE:
-            numel = 1
-            for d in shape:
-                numel *= d
-            if len(ref.inline_data) != numel * torch.empty((), dtype=dtype).element_size():
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        name = transport_name(ref.transport)
+        if ref.transport == pb.TRANSPORT_INLINE:
+            if len(ref.inline_data) != nbytes:
                 raise FailedPrecondition(f"inline tensor of shape {shape} carries {len(ref.inline_data)} bytes")
             out = torch.frombuffer(bytearray(ref.inline_data), dtype=dtype).view(shape)
+        elif ref.transport in (pb.TRANSPORT_SHM, pb.TRANSPORT_CUDA_IPC):
+            if ref.nbytes != nbytes:
+                raise FailedPrecondition(f"tensor reference shape {shape} does not match its {ref.nbytes} bytes")
+            try:
+                view = self._view(ref.arena_id)
+                if ref.transport == pb.TRANSPORT_SHM:
+                    out = read_host(view, ref.offset, ref.nbytes, ref.lease.id, dtype, shape)
+                elif self._cuda is not None:
+                    out = self._cuda.read(view, ref, dtype, shape)
+                else:
+                    raise FailedPrecondition("this process has no GPU: it cannot open CUDA_IPC references")
+            except Unavailable:
+                self._forget(ref.arena_id)  # the producer died; a new one makes a new arena
+                raise
         else:
             raise FailedPrecondition(f"transport {name} is not available in this process")
         HANDOFF_COUNTS[name] += 1
-        HANDOFF_BYTES[name] += ref.nbytes or len(ref.inline_data)
+        HANDOFF_BYTES[name] += nbytes
         return out
 
+    def _forget(self, name: str) -> None:
+        view = self._views.pop(name, None)
+        if view is not None:
+            view.close()
+        if self._cuda is not None:
+            self._cuda.forget(name)
+
     def close(self) -> None:
-        self.shm.close()
+        for name in list(self._views):
+            self._forget(name)

@@ -70,7 +70,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return context.time_remaining()
 
         admitted = time.perf_counter()
-        consumer = pb.ConsumerInfo(host_id=info.host_id, accept=info.transports)
+        consumer = pb.ConsumerInfo(host_id=info.host_id, gpu_uuid=info.gpu_uuid, accept=info.transports)
         try:
             encoded = await self.vision.Encode(
                 vision_pb2.EncodeRequest(request_id=request_id, images=request.images, consumer=consumer),

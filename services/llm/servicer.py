@@ -31,7 +31,6 @@ from vlmesh.v1 import llm_pb2, llm_pb2_grpc, vision_pb2, vision_pb2_grpc
 log = logging.getLogger(__name__)
 
 FINISH_TO_PB = {Finish.STOP: pb.FINISH_REASON_STOP, Finish.LENGTH: pb.FINISH_REASON_LENGTH}
-ACCEPTED = (pb.TRANSPORT_SHM, pb.TRANSPORT_INLINE)
 
 
 class LlmServicer(llm_pb2_grpc.LlmServicer):
@@ -40,8 +39,13 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
         self.prompts = prompts
         self.spec = prompts.spec
         self.default_max_tokens = default_max_tokens
-        self.importer = FeatureImporter()
+        self.importer = FeatureImporter(engine.runner.device)
         self.host = host_id()
+        self.gpu_uuid = ""
+        if engine.runner.device.type == "cuda":
+            from services.common.cuda_arena import gpu_uuid
+
+            self.gpu_uuid = gpu_uuid(engine.runner.device)
         self._ids = itertools.count()
         self._vision = vision_pb2_grpc.VisionStub(grpc.aio.insecure_channel(vision_target)) if vision_target else None
         self._background: set[asyncio.Task] = set()
@@ -162,7 +166,8 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             service="llm",
             model_id=self.spec.model_id,
             host_id=self.host,
-            transports=list(ACCEPTED),
+            gpu_uuid=self.gpu_uuid,
+            transports=self.importer.transports,
             max_context=self.spec.text.max_context,
             image_tokens=self.spec.image_tokens,
             default_max_tokens=self.default_max_tokens,

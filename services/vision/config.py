@@ -22,6 +22,7 @@ class VisionConfig:
     arena_slots: int
     lease_ttl_s: float
     preprocess_workers: int
+    ready_signal: str
 
     def check(self) -> None:
         self.server.check()
@@ -34,6 +35,8 @@ class VisionConfig:
             problems.append(f"--arena-slots {self.arena_slots} must be >= --max-vision-batch {self.max_batch}")
         if self.lease_ttl_s <= 0:
             problems.append(f"--lease-ttl-s {self.lease_ttl_s} must be > 0")
+        if self.ready_signal not in ("sync", "event"):
+            problems.append(f"--ready-signal {self.ready_signal!r}: use sync or event")
         if self.preprocess_workers < 1:
             problems.append(f"--preprocess-workers {self.preprocess_workers} must be >= 1")
         if problems:
@@ -59,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds before an unreleased feature slot is reclaimed (default %(default)s)",
     )
     g.add_argument("--preprocess-workers", type=int, default=2, help="threads decoding images (default %(default)s)")
+    g.add_argument(
+        "--ready-signal",
+        default="sync",
+        choices=("sync", "event"),
+        help="CUDA hand-off: synchronise before replying, or pass an interprocess CUDA event (default %(default)s)",
+    )
     return p
 
 
@@ -75,6 +84,7 @@ def parse(argv: list[str] | None = None) -> VisionConfig:
         arena_slots=args.arena_slots,
         lease_ttl_s=args.lease_ttl_s,
         preprocess_workers=args.preprocess_workers,
+        ready_signal=args.ready_signal,
     )
     cfg.check()
     return cfg

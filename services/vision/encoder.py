@@ -39,9 +39,8 @@ class VisionEncoder:
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
-        """pixels [B, 3, S, S] -> features [B, image_tokens, H] on the CPU."""
-        feats = self.tower(pixels.to(self.device, self.dtype, non_blocking=True))
-        return feats.cpu()
+        """pixels [B, 3, S, S] -> features [B, image_tokens, H] on the encoder's device."""
+        return self.tower(pixels.to(self.device, self.dtype, non_blocking=True))
 
     @property
     def feature_bytes(self) -> int:

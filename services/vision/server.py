@@ -3,27 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import torch
 
 from services.common.server import run_service, serve_until_signal, start_server
-from services.common.shm_arena import ShmArena
 from services.model.spec import load_spec
 from services.vision import config as vision_config
 from services.vision.batcher import VisionBatcher
 from services.vision.encoder import VisionEncoder
+from services.vision.exporter import FeatureExporter
 from services.vision.servicer import VisionServicer
 from vlmesh.v1 import vision_pb2, vision_pb2_grpc
 
 log = logging.getLogger("vision")
 
 
-async def _reap_forever(arena: ShmArena, period_s: float) -> None:
+async def _reap_forever(exporter: FeatureExporter, period_s: float) -> None:
     while True:
         await asyncio.sleep(period_s)
-        arena.reap()
+        exporter.reap()
 
 
 async def serve(cfg: vision_config.VisionConfig) -> None:
@@ -31,11 +30,13 @@ async def serve(cfg: vision_config.VisionConfig) -> None:
         torch.set_num_threads(cfg.threads)
     spec = load_spec(cfg.model)
     encoder = VisionEncoder(spec, cfg.device, cfg.dtype)
-    arena = ShmArena(encoder.feature_bytes, cfg.arena_slots, cfg.lease_ttl_s)
+    exporter = FeatureExporter(
+        encoder.feature_bytes, cfg.arena_slots, cfg.lease_ttl_s, encoder.device, cfg.ready_signal
+    )
     batcher = VisionBatcher(encoder, cfg.max_batch)
     batcher.start()
-    servicer = VisionServicer(encoder, batcher, arena, cfg.preprocess_workers)
-    reaper = asyncio.create_task(_reap_forever(arena, max(cfg.lease_ttl_s / 4, 0.05)))
+    servicer = VisionServicer(encoder, batcher, exporter, cfg.preprocess_workers)
+    reaper = asyncio.create_task(_reap_forever(exporter, max(cfg.lease_ttl_s / 4, 0.05)))
     try:
         running = await start_server(
             cfg.server.host,
@@ -44,10 +45,10 @@ async def serve(cfg: vision_config.VisionConfig) -> None:
             [vision_pb2.DESCRIPTOR.services_by_name["Vision"].full_name],
         )
         log.info(
-            "vision serving on %s:%d (arena %s, %d slots)",
+            "vision serving on %s:%d (arenas %s, %d slots each)",
             cfg.server.host,
             running.port,
-            arena.name,
+            ", ".join(a.name for a in exporter.arenas),
             cfg.arena_slots,
         )
         await serve_until_signal(running, cfg.server.grace_s)
@@ -55,8 +56,7 @@ async def serve(cfg: vision_config.VisionConfig) -> None:
         reaper.cancel()
         await batcher.stop()
         servicer.close()
-        with contextlib.suppress(Exception):
-            arena.close()
+        exporter.close()
 
 
 def main(argv: list[str] | None = None) -> int:

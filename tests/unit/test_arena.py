@@ -1,4 +1,4 @@
-"""Shared-memory arena: bounds, leases, TTL, and attaching from another process."""
+"""Host feature arena: bounds, leases, TTL, liveness, and attaching from another process."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import time
 import pytest
 import torch
 
+from services.common import arena as arena_mod
+from services.common.arena import ArenaView
 from services.common.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from services.common.leases import LeaseTable
-from services.common.shm_arena import ShmArena, ShmReader
+from services.common.shm_arena import ShmArena, read_host
 
 
 @pytest.fixture
@@ -21,46 +23,47 @@ def arena():
     a.close()
 
 
+def read(name, offset, nbytes, lease_id, dtype=torch.float32, shape=(64,)):
+    view = ArenaView(name)
+    try:
+        return read_host(view, offset, nbytes, lease_id, dtype, list(shape))
+    finally:
+        view.close()
+
+
 def test_roundtrip_and_release(arena):
-    reader = ShmReader()
     t = torch.arange(64, dtype=torch.float32).view(8, 8)
     lease, offset = arena.write(t)
-    out = reader.read(arena.name, offset, 256, lease.id, torch.float32, [8, 8])
-    assert torch.equal(out, t)
+    assert torch.equal(read(arena.name, offset, 256, lease.id, shape=(8, 8)), t)
     assert arena.release(lease.id) is True
     assert arena.release(lease.id) is False  # idempotent
     with pytest.raises(FailedPrecondition, match="stale"):
-        reader.read(arena.name, offset, 256, lease.id, torch.float32, [8, 8])
-    reader.close()
+        read(arena.name, offset, 256, lease.id)
 
 
 def test_reused_slot_never_serves_old_reference(arena):
-    reader = ShmReader()
     lease_a, off_a = arena.write(torch.zeros(64))
     arena.release(lease_a.id)
     leases = [arena.write(torch.full((64,), float(i))) for i in range(3)]
     assert off_a in [off for _, off in leases]  # the slot was reused...
     with pytest.raises(FailedPrecondition):  # ...and the old lease cannot read it
-        reader.read(arena.name, off_a, 256, lease_a.id, torch.float32, [64])
-    reader.close()
+        read(arena.name, off_a, 256, lease_a.id)
 
 
 @pytest.mark.parametrize(
-    "offset_delta,nbytes,shape,match",
+    "offset_delta,nbytes,match",
     [
-        (1, 256, [64], "out of bounds"),
-        (10**9, 256, [64], "out of bounds"),
-        (0, 10**6, [250000], "out of bounds"),
-        (0, 256, [65], "does not match"),
-        (-(10**6), 256, [64], "out of bounds"),
+        (1, 256, "out of bounds"),
+        (10**9, 256, "out of bounds"),
+        (0, 10**6, "out of bounds"),
+        (-(10**6), 256, "out of bounds"),
+        (0, 0, "out of bounds"),
     ],
 )
-def test_forged_references(arena, offset_delta, nbytes, shape, match):
-    reader = ShmReader()
+def test_forged_references(arena, offset_delta, nbytes, match):
     lease, offset = arena.write(torch.ones(64))
     with pytest.raises(FailedPrecondition, match=match):
-        reader.read(arena.name, offset + offset_delta, nbytes, lease.id, torch.float32, shape)
-    reader.close()
+        read(arena.name, offset + offset_delta, nbytes, lease.id)
 
 
 def test_full_arena_is_resource_exhausted(arena):
@@ -73,21 +76,39 @@ def test_full_arena_is_resource_exhausted(arena):
 def test_ttl_reclaims_unreleased_slots():
     arena = ShmArena(slot_bytes=256, n_slots=2, ttl_s=0.05)
     try:
-        reader = ShmReader()
         lease, offset = arena.write(torch.ones(64))
         time.sleep(0.1)
         assert arena.reap() == 1
         assert arena.leases.leased == 0
         with pytest.raises(FailedPrecondition):
-            reader.read(arena.name, offset, 256, lease.id, torch.float32, [64])
-        reader.close()
+            read(arena.name, offset, 256, lease.id)
+    finally:
+        arena.close()
+
+
+def test_lease_about_to_expire_is_refused():
+    arena = ShmArena(slot_bytes=256, n_slots=2, ttl_s=0.2)  # under the 0.5 s safety margin
+    try:
+        lease, offset = arena.write(torch.ones(64))
+        with pytest.raises(FailedPrecondition, match="about to expire"):
+            read(arena.name, offset, 256, lease.id)
     finally:
         arena.close()
 
 
 def test_missing_arena_is_unavailable():
     with pytest.raises(Unavailable, match="has stopped"):
-        ShmReader().read("vlmesh-no-such-arena", 4096, 4, 1, torch.float32, [1])
+        ArenaView("vlmesh-no-such-arena")
+
+
+def test_dead_producer_is_unavailable(arena, monkeypatch):
+    """A producer whose heartbeat stopped may have lost its memory: UNAVAILABLE, not data."""
+    lease, offset = arena.write(torch.ones(64))
+    monkeypatch.setattr(arena_mod, "HEARTBEAT_STALE_S", 0.6)
+    arena._stop.set()  # the heartbeat thread stops, as if the process had died
+    time.sleep(1.0)
+    with pytest.raises(Unavailable, match="no heartbeat"):
+        read(arena.name, offset, 256, lease.id)
 
 
 def test_another_process_reads_and_does_not_unlink(arena):
@@ -95,9 +116,10 @@ def test_another_process_reads_and_does_not_unlink(arena):
     t = torch.arange(64, dtype=torch.float32)
     lease, offset = arena.write(t)
     code = (
-        "import torch, sys\n"
-        "from services.common.shm_arena import ShmReader\n"
-        f"out = ShmReader().read({arena.name!r}, {offset}, 256, {lease.id}, torch.float32, [64])\n"
+        "import torch\n"
+        "from services.common.arena import ArenaView\n"
+        "from services.common.shm_arena import read_host\n"
+        f"out = read_host(ArenaView({arena.name!r}), {offset}, 256, {lease.id}, torch.float32, [64])\n"
         "print(float(out.sum()))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -105,8 +127,7 @@ def test_another_process_reads_and_does_not_unlink(arena):
     assert float(result.stdout) == float(t.sum())
     assert "leaked" not in result.stderr
     # Still there after the consumer exited (the resource tracker did not unlink it).
-    out = ShmReader().read(arena.name, offset, 256, lease.id, torch.float32, [64])
-    assert torch.equal(out, t)
+    assert torch.equal(read(arena.name, offset, 256, lease.id), t)
 
 
 def test_lease_refcount():

@@ -116,7 +116,7 @@ class Lease(_message.Message):
     def __init__(self, id: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class TensorRef(_message.Message):
-    __slots__ = ("transport", "arena_id", "producer_host_id", "gpu_uuid", "offset", "nbytes", "shape", "dtype", "lease", "ready", "ready_event", "inline_data")
+    __slots__ = ("transport", "arena_id", "producer_host_id", "gpu_uuid", "offset", "nbytes", "shape", "dtype", "lease", "ready", "ready_event", "inline_data", "cuda_ipc")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class TensorRef(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     transport: Transport
     arena_id: str
     producer_host_id: str
@@ -141,7 +142,26 @@ class TensorRef(_message.Message):
     ready: ReadySignal
     ready_event: bytes
     inline_data: bytes
-    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., arena_id: _Optional[str] = ..., producer_host_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., ready: _Optional[_Union[ReadySignal, str]] = ..., ready_event: _Optional[bytes] = ..., inline_data: _Optional[bytes] = ...) -> None: ...
+    cuda_ipc: CudaIpcHandle
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., arena_id: _Optional[str] = ..., producer_host_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., ready: _Optional[_Union[ReadySignal, str]] = ..., ready_event: _Optional[bytes] = ..., inline_data: _Optional[bytes] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("mem_handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    MEM_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    mem_handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, mem_handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class ConsumerInfo(_message.Message):
     __slots__ = ("host_id", "gpu_uuid", "accept")

@@ -1,0 +1,183 @@
+"""The feature arena's shared header: slot geometry, a lease table and a heartbeat.
+
+Every arena (host memory or GPU memory) publishes this header in a small POSIX
+shared-memory segment named by the arena id. Layout (little endian):
+
+    [0, 64)            magic "VLMARENA", version, location (0 host, 1 CUDA), slot_bytes,
+                       n_slots, data_offset, heartbeat (float64, CLOCK_MONOTONIC seconds)
+    [64, 64 + 16 n)    lease table: per slot (uint64 lease id, float64 expiry); id 0 = free
+    [data_offset, ...) slot data, for host arenas only (CUDA arenas keep it on the device)
+
+The producer alone writes the header and unlinks the segment. A consumer attaches once
+per arena and checks every reference against it: the offset must be a slot start, the
+size must fit, the slot's lease id must be the reference's (before and after the copy,
+a seqlock) with time left before its expiry, and the heartbeat must be fresh, which tells
+a live producer from one that died (its memory may be gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import sys
+import threading
+import time
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+from services.common.errors import FailedPrecondition, Unavailable
+from services.common.leases import Lease, LeaseTable
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"VLMARENA"
+VERSION = 2
+HOST, CUDA = 0, 1
+_HEADER = struct.Struct("<8sQQQQQd")  # magic, version, location, slot_bytes, n_slots, data_offset, heartbeat
+_HEARTBEAT_OFFSET = _HEADER.size - 8
+_TABLE_OFFSET = 64
+_ALIGN = 4096
+HEARTBEAT_PERIOD_S = 0.25
+HEARTBEAT_STALE_S = 3.0  # no heartbeat for this long: the producer is gone
+EXPIRY_MARGIN_S = 0.5  # refuse a lease this close to expiry: the slot could be reclaimed mid-copy
+
+
+def align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _table(buf, n_slots: int) -> np.ndarray:
+    """The lease table as a structured array view: fields 'id' and 'expires'."""
+    return np.ndarray((n_slots,), dtype=[("id", "<u8"), ("expires", "<f8")], buffer=buf, offset=_TABLE_OFFSET)
+
+
+class ArenaTable:
+    """Producer side: owns the header segment, the leases and the heartbeat."""
+
+    def __init__(self, slot_bytes: int, n_slots: int, ttl_s: float, location: int) -> None:
+        self.slot_bytes = align(slot_bytes)
+        self.n_slots = n_slots
+        self.location = location
+        header_bytes = align(_TABLE_OFFSET + 16 * n_slots)
+        self.data_offset = header_bytes if location == HOST else 0
+        size = header_bytes + (n_slots * self.slot_bytes if location == HOST else 0)
+        self.shm = shared_memory.SharedMemory(create=True, size=size)
+        self.name = self.shm.name
+        self.leases = LeaseTable(n_slots, ttl_s)
+        _HEADER.pack_into(
+            self.shm.buf, 0, MAGIC, VERSION, location, self.slot_bytes, n_slots, self.data_offset, time.monotonic()
+        )
+        self._table = _table(self.shm.buf, n_slots)
+        self._table["id"] = 0
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name=f"arena-heartbeat-{self.name}", daemon=True)
+        self._beat.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_PERIOD_S):
+            struct.pack_into("<d", self.shm.buf, _HEARTBEAT_OFFSET, time.monotonic())
+
+    def slot_offset(self, slot: int) -> int:
+        return self.data_offset + slot * self.slot_bytes
+
+    def check_fits(self, nbytes: int) -> None:
+        if nbytes > self.slot_bytes:
+            raise ValueError(f"tensor of {nbytes} bytes exceeds the arena slot of {self.slot_bytes} bytes")
+
+    def publish(self, lease: Lease) -> None:
+        """Make a written slot readable: its lease id goes in only after the data."""
+        self._table["expires"][lease.slot] = lease.expires_at
+        self._table["id"][lease.slot] = lease.id
+
+    def release(self, lease_id: int) -> bool:
+        slot = self.leases.release(lease_id)
+        if slot is None:
+            return False
+        self._table["id"][slot] = 0
+        return True
+
+    def reap(self) -> int:
+        slots = self.leases.reap()
+        for slot in slots:
+            self._table["id"][slot] = 0
+        if slots:
+            log.warning("arena %s: reclaimed %d slots whose lease expired unreleased", self.name, len(slots))
+        return len(slots)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._beat.join(timeout=2)
+        self._table = None  # drop the buffer export before closing
+        self.shm.close()
+        self.shm.unlink()
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)
+    shm = shared_memory.SharedMemory(name=name)
+    # Before 3.13 the resource tracker adopts attached segments and unlinks them when
+    # this process exits, destroying the producer's arena. Only the owner unlinks.
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm
+
+
+class ArenaView:
+    """Consumer side: one attached header segment, and the checks every read goes through."""
+
+    def __init__(self, name: str) -> None:
+        try:
+            self.shm = _attach(name)
+        except FileNotFoundError as err:
+            raise Unavailable(
+                f"feature arena {name!r} does not exist: the vision process that made it has stopped"
+            ) from err
+        if self.shm.size < _TABLE_OFFSET or bytes(self.shm.buf[:8]) != MAGIC:
+            self.shm.close()
+            raise FailedPrecondition(f"shared-memory segment {name!r} is not a vlmesh feature arena")
+        _, version, self.location, self.slot_bytes, self.n_slots, self.data_offset, _ = _HEADER.unpack_from(
+            self.shm.buf
+        )
+        if version != VERSION:
+            self.shm.close()
+            raise FailedPrecondition(
+                f"feature arena {name!r} has layout version {version}, this process reads {VERSION}"
+            )
+        self.name = name
+        self.table = _table(self.shm.buf, self.n_slots)
+
+    def slot(self, offset: int, nbytes: int) -> int:
+        """The slot a reference points at; FAILED_PRECONDITION when it is not exactly one slot's start."""
+        rel = offset - self.data_offset
+        if (
+            rel < 0
+            or rel % self.slot_bytes
+            or rel // self.slot_bytes >= self.n_slots
+            or not 0 < nbytes <= self.slot_bytes
+        ):
+            raise FailedPrecondition(
+                f"tensor reference out of bounds of arena {self.name!r} (offset {offset}, {nbytes} bytes)"
+            )
+        return rel // self.slot_bytes
+
+    def check(self, slot: int, lease_id: int, margin_s: float = EXPIRY_MARGIN_S) -> None:
+        """The lease is live and the producer too; else FAILED_PRECONDITION or UNAVAILABLE."""
+        (heartbeat,) = struct.unpack_from("<d", self.shm.buf, _HEARTBEAT_OFFSET)
+        age = time.monotonic() - heartbeat
+        if age > HEARTBEAT_STALE_S:
+            raise Unavailable(
+                f"the vision process that owns feature arena {self.name!r} stopped (no heartbeat for {age:.1f}s)"
+            )
+        entry = self.table[slot]
+        if lease_id == 0 or int(entry["id"]) != lease_id:
+            raise FailedPrecondition("tensor reference is stale: its lease was released, expired or never issued")
+        if float(entry["expires"]) - time.monotonic() < margin_s:
+            raise FailedPrecondition("tensor reference is about to expire: ask the vision service again")
+
+    def close(self) -> None:
+        self.table = None
+        try:
+            self.shm.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes with the process

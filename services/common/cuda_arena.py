@@ -1,0 +1,153 @@
+"""The GPU feature arena: one device allocation, exported once over CUDA IPC.
+
+The vision process allocates `n_slots * slot_bytes` on its GPU at start-up and exports
+the allocation's IPC handle once (PyTorch's storage-sharing tuple: the raw
+cudaIpcMemHandle_t, the storage's size and offset inside the allocation, and PyTorch's
+ref-counter and event handles). Slots are leased exactly like host slots; the lease
+table lives in the arena's shared-memory header (services/common/arena.py).
+
+Readiness, chosen by the producer (`--ready-signal`):
+- `sync`: the producer synchronises its stream after writing, before it replies;
+- `event`: the producer records the slot's interprocess CUDA event after writing and the
+  consumer's stream waits on it (events are exported once per slot and opened once).
+
+The consumer opens each arena's allocation once per process (the first open costs about
+0.5 ms, PyTorch's first rebuild far more), copies a slot into its own memory on its
+stream, synchronises, re-checks the lease, and only then lets the lease go.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.arena import CUDA, ArenaTable, ArenaView
+from services.common.errors import FailedPrecondition
+from services.common.leases import Lease
+from vlmesh.v1 import common_pb2 as pb
+
+READY_SIGNALS = ("sync", "event")
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """The GPU's UUID: equal on both sides exactly when they use the same physical GPU."""
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    return f"GPU-{uuid}" if uuid is not None else f"{props.name}/{props.pci_bus_id}"  # type: ignore[attr-defined]
+
+
+def _bytes(value) -> bytes:
+    return b"" if value is None else bytes(value)
+
+
+class CudaArena(ArenaTable):
+    def __init__(self, slot_bytes: int, n_slots: int, ttl_s: float, device: torch.device, ready: str) -> None:
+        super().__init__(slot_bytes, n_slots, ttl_s, CUDA)
+        if ready not in READY_SIGNALS:
+            raise ValueError(f"ready signal {ready!r}: use one of {READY_SIGNALS}")
+        self.device = device
+        self.ready = ready
+        self.gpu_uuid = gpu_uuid(device)
+        # One allocation for the arena's whole life; exported once.
+        self.buffer = torch.empty(n_slots * self.slot_bytes, dtype=torch.uint8, device=device)
+        shared = self.buffer.untyped_storage()._share_cuda_()
+        _dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = shared
+        self.ipc = pb.CudaIpcHandle(
+            mem_handle=_bytes(handle),
+            storage_bytes=size,
+            storage_offset=offset,
+            ref_counter_handle=_bytes(rc_handle),
+            ref_counter_offset=rc_offset,
+            event_handle=_bytes(ev_handle),
+            event_sync_required=bool(ev_sync),
+        )
+        self.events: list[torch.cuda.Event] = []
+        self.event_handles: list[bytes] = []
+        if ready == "event":
+            with torch.cuda.device(device):
+                self.events = [torch.cuda.Event(interprocess=True) for _ in range(n_slots)]
+                for event in self.events:
+                    event.record()  # an event must be recorded once before it has an IPC handle
+                self.event_handles = [bytes(e.ipc_handle()) for e in self.events]
+
+    def write(self, tensor: torch.Tensor) -> tuple[Lease, int]:
+        """Enqueue a device-to-device copy into a fresh slot; `finish` makes it readable."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self.check_fits(nbytes)
+        lease = self.leases.acquire()
+        offset = self.slot_offset(lease.slot)
+        self.buffer[offset : offset + nbytes].copy_(tensor.contiguous().view(-1).view(torch.uint8), non_blocking=True)
+        return lease, offset
+
+    def finish(self, leases: list[Lease]) -> None:
+        """Signal readiness of written slots and publish their leases."""
+        if self.ready == "sync":
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            stream = torch.cuda.current_stream(self.device)
+            for lease in leases:
+                self.events[lease.slot].record(stream)
+        for lease in leases:
+            self.publish(lease)
+
+    def close(self) -> None:
+        super().close()
+        self.buffer = None  # type: ignore[assignment]
+
+
+class CudaImports:
+    """Consumer side: opened arena allocations and slot events, cached for the process's life."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._events: dict[tuple[str, int], torch.cuda.Event] = {}
+
+    def _buffer(self, name: str, ipc: pb.CudaIpcHandle) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None:
+            if not ipc.mem_handle:
+                raise FailedPrecondition("CUDA_IPC tensor reference carries no memory handle")
+            try:
+                storage = torch.UntypedStorage._new_shared_cuda(
+                    self.device.index or 0,
+                    ipc.mem_handle,
+                    ipc.storage_bytes,
+                    ipc.storage_offset,
+                    ipc.ref_counter_handle or None,
+                    ipc.ref_counter_offset,
+                    ipc.event_handle or None,
+                    ipc.event_sync_required,
+                )
+            except RuntimeError as err:
+                raise FailedPrecondition(f"cannot open the CUDA IPC handle of arena {name!r}: {err}") from err
+            buf = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+            self._buffers[name] = buf
+        return buf
+
+    def read(self, view: ArenaView, ref: pb.TensorRef, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        """Copy a GPU slot into this process's memory, validated before and after the copy."""
+        if view.location != CUDA:
+            raise FailedPrecondition(f"arena {view.name!r} is not a CUDA arena")
+        slot = view.slot(ref.offset, ref.nbytes)
+        view.check(slot, ref.lease.id)
+        buf = self._buffer(view.name, ref.cuda_ipc)
+        if ref.offset + ref.nbytes > buf.numel():
+            raise FailedPrecondition(f"tensor reference out of bounds of arena {view.name!r}")
+        stream = torch.cuda.current_stream(self.device)
+        if ref.ready == pb.READY_SIGNAL_CUDA_EVENT:
+            key = (view.name, slot)
+            event = self._events.get(key)
+            if event is None:
+                event = torch.cuda.Event.from_ipc_handle(self.device, ref.ready_event)
+                self._events[key] = event
+            stream.wait_event(event)
+        out = buf[ref.offset : ref.offset + ref.nbytes].clone()
+        stream.synchronize()  # the copy is complete before the lease is re-checked and released
+        view.check(slot, ref.lease.id, margin_s=0.0)
+        return out.view(dtype).view(shape)
+
+    def forget(self, name: str) -> None:
+        """Drop an arena whose producer is gone."""
+        self._buffers.pop(name, None)
+        for key in [k for k in self._events if k[0] == name]:
+            del self._events[key]

@@ -1,0 +1,75 @@
+"""Transport negotiation, and the shared-memory and inline paths end to end in-process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.tensorref import HANDOFF_COUNTS, FeatureImporter, choose_transport
+from services.vision.exporter import FeatureExporter
+from vlmesh.v1 import common_pb2 as pb
+
+SHM, CUDA, INLINE = pb.TRANSPORT_SHM, pb.TRANSPORT_CUDA_IPC, pb.TRANSPORT_INLINE
+
+
+@pytest.mark.parametrize(
+    "consumer,offered,producer_gpu,expected",
+    [
+        (pb.ConsumerInfo(host_id="h", gpu_uuid="G", accept=[CUDA, SHM, INLINE]), (CUDA, SHM), "G", CUDA),
+        (pb.ConsumerInfo(host_id="h", gpu_uuid="G2", accept=[CUDA, SHM, INLINE]), (CUDA, SHM), "G", SHM),
+        (pb.ConsumerInfo(host_id="h", accept=[SHM, INLINE]), (CUDA, SHM), "G", SHM),
+        (pb.ConsumerInfo(host_id="h", gpu_uuid="G", accept=[CUDA, SHM, INLINE]), (SHM,), "", SHM),
+        (pb.ConsumerInfo(host_id="other", gpu_uuid="G", accept=[CUDA, SHM, INLINE]), (CUDA, SHM), "G", INLINE),
+        (pb.ConsumerInfo(host_id="h", accept=[INLINE]), (SHM,), "", INLINE),
+        (pb.ConsumerInfo(), (SHM,), "", INLINE),  # a consumer that says nothing gets bytes
+    ],
+)
+def test_negotiation(consumer, offered, producer_gpu, expected):
+    assert choose_transport("h", producer_gpu, offered, consumer) == expected
+
+
+def test_fallbacks_are_counted_and_logged(caplog):
+    before = HANDOFF_COUNTS["fallback_to_TRANSPORT_INLINE"]
+    consumer = pb.ConsumerInfo(host_id="elsewhere", accept=[SHM, INLINE])
+    assert choose_transport("h", "", (SHM,), consumer) == INLINE
+    assert HANDOFF_COUNTS["fallback_to_TRANSPORT_INLINE"] == before + 1
+    assert "falls back" in caplog.text
+
+
+def test_no_common_transport():
+    with pytest.raises(InvalidArgument, match="no common transport"):
+        choose_transport("h", "", (SHM,), pb.ConsumerInfo(host_id="x", accept=[SHM]))
+
+
+@pytest.mark.parametrize("transport", [SHM, INLINE])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_roundtrip_bit_exact(transport, dtype):
+    exporter = FeatureExporter(slot_bytes=16 * 32 * 4, n_slots=4, ttl_s=30, device=torch.device("cpu"), ready="sync")
+    importer = FeatureImporter()
+    try:
+        feats = [torch.randn(16, 32).to(dtype) for _ in range(3)]
+        refs = exporter.export(feats, transport)
+        assert [r.transport for r in refs] == [transport] * 3
+        for f, ref in zip(feats, refs, strict=True):
+            assert torch.equal(importer.load(ref).view(torch.uint8), f.view(torch.uint8))
+        if transport == SHM:
+            assert exporter.leased == 3
+            assert exporter.release([r.lease.id for r in refs]) == 3
+            assert exporter.leased == 0
+            with pytest.raises(FailedPrecondition, match="stale"):
+                importer.load(refs[0])
+    finally:
+        importer.close()
+        exporter.close()
+
+
+def test_cuda_reference_on_a_cpu_consumer_is_refused():
+    exporter = FeatureExporter(slot_bytes=256, n_slots=2, ttl_s=30, device=torch.device("cpu"), ready="sync")
+    try:
+        ref = exporter.export([torch.ones(8, 8)], SHM)[0]
+        ref.transport = CUDA
+        with pytest.raises(FailedPrecondition, match=r"no GPU"):
+            FeatureImporter().load(ref)
+    finally:
+        exporter.close()
