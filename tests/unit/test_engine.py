@@ -29,8 +29,10 @@ class Parts:
         self.engine.start()
         self._n = 0
 
-    def request(self, image_seed: int, prompt: str, **sampling) -> tuple[Request, dict]:
-        feats = self.vision.encode(self.vision.pixels(image_bytes(image_seed))[None])[0]
+    def request(self, image: int | bytes, prompt: str, **sampling) -> tuple[Request, dict]:
+        """`image`: encoded bytes, or a seed for a random-noise picture."""
+        data = image_bytes(image) if isinstance(image, int) else image
+        feats = self.vision.encode(self.vision.pixels(data)[None])[0]
         built = self.prompts.build(prompt, 1)
         s = check_sampling(pb.SamplingParams(**sampling), 512)
         done = threading.Event()

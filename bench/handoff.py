@@ -1,0 +1,132 @@
+"""Benchmark one feature hand-off between two processes: CUDA IPC, shared memory, inline bytes.
+
+The tensor is one LLaVA-7B image's features: [576, 4096] bf16 (4.7 MB), made on the
+producer's GPU, wanted on the consumer's GPU. Producer time is `FeatureExporter.export`
+(copy into a leased slot and signal readiness; for inline, the D2H copy and bytes);
+consumer time is `FeatureImporter.load` plus, for host transports, the copy to the GPU;
+for inline also protobuf serialisation and parsing of the reference. The gRPC call that
+carries the reference is not included (it is the same for every transport, except that
+inline also pushes the 4.7 MB through it).
+
+    python -m bench.handoff [--iters 300] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from services.common.tensorref import FeatureImporter
+from tests.gpu.arena_peer import call, connect, write
+from vlmesh.v1 import common_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = (576, 4096)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def run_case(transport: int, ready: str, iters: int, warmup: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        address = Path(tmp) / "peer.addr"
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.gpu.arena_peer",
+                str(address),
+                "--ready",
+                ready,
+                "--slots",
+                "8",
+                "--slot-mib",
+                "4.5",
+            ],
+            cwd=ROOT,
+        )
+        try:
+            conn = connect(address)
+            importer = FeatureImporter(torch.device("cuda"))
+            producer, consumer, first = [], [], None
+            for i in range(warmup + iters):
+                ref, _, produced = write(conn, i, SHAPE, "bfloat16", transport)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                if transport == pb.TRANSPORT_INLINE:
+                    ref = pb.TensorRef.FromString(ref.SerializeToString())
+                out = importer.load(ref)
+                if out.device.type != "cuda":
+                    out = out.to("cuda")
+                    torch.cuda.synchronize()
+                took = time.perf_counter() - start
+                if ref.lease.id:
+                    call(conn, "release", ref.lease.id)
+                if i == 0:
+                    first = took
+                if i >= warmup:
+                    producer.append(produced * 1e6)
+                    consumer.append(took * 1e6)
+            conn.send(("stop",))
+        finally:
+            proc.wait(30)
+    total = [p + c for p, c in zip(producer, consumer, strict=True)]
+    return {
+        "transport": pb.Transport.Name(transport).removeprefix("TRANSPORT_"),
+        "ready": ready,
+        "producer_us_p50": statistics.median(producer),
+        "producer_us_p99": pct(producer, 0.99),
+        "consumer_us_p50": statistics.median(consumer),
+        "consumer_us_p99": pct(consumer, 0.99),
+        "total_us_p50": statistics.median(total),
+        "total_us_p99": pct(total, 0.99),
+        "first_import_ms": first * 1e3,
+        "iters": iters,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    cases = [
+        (pb.TRANSPORT_CUDA_IPC, "sync"),
+        (pb.TRANSPORT_CUDA_IPC, "event"),
+        (pb.TRANSPORT_SHM, "sync"),
+        (pb.TRANSPORT_INLINE, "sync"),
+    ]
+    rows = []
+    for transport, ready in cases:
+        print(f"running {pb.Transport.Name(transport)} ready={ready} ...", file=sys.stderr, flush=True)
+        rows.append(run_case(transport, ready, args.iters, args.warmup))
+    env = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "shape": SHAPE, "dtype": "bfloat16"}
+    if args.out:
+        args.out.write_text(json.dumps({"env": env, "results": rows}, indent=2))
+    print(f"hand-off of one [576, 4096] bf16 tensor (4.7 MB), {env['gpu']}, {args.iters} iterations, microseconds")
+    print(
+        f"{'transport':<10}{'ready':<7}{'producer p50/p99':>20}{'consumer p50/p99':>20}{'total p50/p99':>20}"
+        f"{'first import':>15}"
+    )
+    for r in rows:
+        print(
+            f"{r['transport']:<10}{r['ready']:<7}{r['producer_us_p50']:>11.1f} /{r['producer_us_p99']:>7.1f}"
+            f"{r['consumer_us_p50']:>11.1f} /{r['consumer_us_p99']:>7.1f}{r['total_us_p50']:>11.1f} /"
+            f"{r['total_us_p99']:>7.1f}{r['first_import_ms']:>12.2f} ms"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""A producer process that owns a CUDA (or host) arena and serves writes to consumers.
+
+Used by the GPU tests and bench/handoff.py to put producer and consumer in two real
+processes. Protocol over multiprocessing.connection (one thread per consumer):
+    ("write", seed, shape, dtype_name, transport) -> (TensorRef bytes, sha256 hex, producer seconds)
+    ("release", lease_id)                         -> bool
+    ("stats",)                                    -> {"leased": n}
+    ("reap",)                                     -> slots reclaimed
+    ("stop",)
+The tensor for a seed is torch.randn on the producer's GPU, so consumers can ask for the
+checksum computed here and compare bit for bit.
+
+    python -m tests.gpu.arena_peer ADDRESS_FILE [--slots N] [--ttl S] [--ready sync|event] [--slot-mib M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import threading
+import time
+from multiprocessing.connection import Client, Listener
+from pathlib import Path
+
+import torch
+
+from vlmesh.v1 import common_pb2 as pb
+
+AUTHKEY = b"vlmesh-arena-peer"
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+def serve(address_file: Path, slots: int, ttl: float, ready: str, slot_mib: float) -> None:
+    from services.vision.exporter import FeatureExporter
+
+    device = torch.device("cuda")
+    exporter = FeatureExporter(int(slot_mib * 2**20), slots, ttl, device, ready)
+    listener = Listener(("127.0.0.1", 0), authkey=AUTHKEY)
+    stop = threading.Event()
+
+    def handle(conn) -> None:
+        with conn:
+            while not stop.is_set():
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    return
+                if msg[0] == "write":
+                    _, seed, shape, dtype, transport = msg
+                    gen = torch.Generator(device=device).manual_seed(seed)
+                    t = torch.randn(shape, generator=gen, device=device).to(DTYPES[dtype])
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    ref = exporter.export([t], transport)[0]
+                    elapsed = time.perf_counter() - start
+                    conn.send((ref.SerializeToString(), sha256(t), elapsed))
+                elif msg[0] == "release":
+                    conn.send(exporter.release([msg[1]]) == 1)
+                elif msg[0] == "stats":
+                    conn.send({"leased": exporter.leased, "gpu_uuid": exporter.gpu_uuid, "host": exporter.host})
+                elif msg[0] == "reap":
+                    conn.send(exporter.reap())
+                elif msg[0] == "stop":
+                    stop.set()
+                    conn.send(True)
+                    listener.close()
+
+    host, port = listener.address
+    address_file.write_text(f"{host}:{port}")
+    try:
+        while not stop.is_set():
+            try:
+                conn = listener.accept()
+            except OSError:
+                break
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+    finally:
+        exporter.close()
+
+
+def connect(address_file: Path, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not address_file.exists() or not address_file.read_text():
+        if time.monotonic() > deadline:
+            raise TimeoutError("arena peer did not start")
+        time.sleep(0.05)
+    host, port = address_file.read_text().split(":")
+    return Client((host, int(port)), authkey=AUTHKEY)
+
+
+def call(conn, *msg):
+    conn.send(msg)
+    return conn.recv()
+
+
+def write(conn, seed: int, shape, dtype: str, transport: int) -> tuple[pb.TensorRef, str, float]:
+    raw, digest, seconds = call(conn, "write", seed, tuple(shape), dtype, transport)
+    return pb.TensorRef.FromString(raw), digest, seconds
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("address_file", type=Path)
+    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--ttl", type=float, default=30.0)
+    p.add_argument("--ready", default="sync")
+    p.add_argument("--slot-mib", type=float, default=4.5)
+    a = p.parse_args()
+    serve(a.address_file, a.slots, a.ttl, a.ready, a.slot_mib)

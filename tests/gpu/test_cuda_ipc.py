@@ -1,0 +1,209 @@
+"""CUDA IPC hand-off between two real processes on the GPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from services.common.errors import FailedPrecondition, Unavailable
+from services.common.tensorref import FeatureImporter
+from services.launcher import Mesh
+from services.model.shapes import PROMPTS, encode, render
+from tests.conftest import mesh_options
+from tests.gpu.arena_peer import call, connect, sha256, write
+from vlmesh.v1 import common_pb2 as pb
+from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc, llm_pb2, llm_pb2_grpc, vision_pb2, vision_pb2_grpc
+
+pytestmark = pytest.mark.gpu
+CUDA, SHM = pb.TRANSPORT_CUDA_IPC, pb.TRANSPORT_SHM
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+
+
+def start_peer(tmp_path, *args) -> tuple[subprocess.Popen, Path]:
+    address = tmp_path / f"peer-{time.monotonic_ns()}.addr"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.gpu.arena_peer", str(address), *args], env=ENV, cwd=ROOT)
+    return proc, address
+
+
+@pytest.fixture
+def peer(tmp_path, request):
+    proc, address = start_peer(tmp_path, *getattr(request, "param", ()))
+    conn = connect(address)
+    yield proc, conn
+    try:
+        conn.send(("stop",))
+    except OSError:
+        pass
+    proc.wait(30)
+
+
+@pytest.mark.parametrize("peer", [("--ready", "sync"), ("--ready", "event")], indirect=True)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("transport", [CUDA, SHM])
+def test_bit_exact(peer, dtype, transport):
+    _, conn = peer
+    importer = FeatureImporter(torch.device("cuda"))
+    for seed in range(5):
+        ref, digest, _ = write(conn, seed, (576, 4096), dtype, transport)
+        assert ref.transport == transport
+        out = importer.load(ref)
+        assert out.device.type == ("cuda" if transport == CUDA else "cpu")
+        assert sha256(out) == digest, "features changed on the way"
+        assert call(conn, "release", ref.lease.id)
+        with pytest.raises(FailedPrecondition, match="stale"):
+            importer.load(ref)
+    assert call(conn, "stats")["leased"] == 0
+
+
+CONSUMER = """
+import sys, torch
+from tests.gpu.arena_peer import call, connect, sha256, write
+from services.common.tensorref import FeatureImporter
+from vlmesh.v1 import common_pb2 as pb
+from pathlib import Path
+conn = connect(Path(sys.argv[1]))
+importer = FeatureImporter(torch.device("cuda"))
+worker, n = int(sys.argv[2]), int(sys.argv[3])
+for i in range(n):
+    ref, digest, _ = write(conn, worker * 100000 + i, (576, 1024), "bfloat16", pb.TRANSPORT_CUDA_IPC)
+    assert sha256(importer.load(ref)) == digest, f"corrupted at {i}"
+    assert call(conn, "release", ref.lease.id)
+print("ok", n)
+"""
+
+
+def test_1000_handoffs_8_concurrent_consumers(tmp_path):
+    proc, address = start_peer(tmp_path, "--slots", "8", "--slot-mib", "1.2")
+    try:
+        consumers = [
+            subprocess.Popen(
+                [sys.executable, "-c", CONSUMER, str(address), str(w), "125"],
+                env=ENV,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for w in range(8)
+        ]
+        for c in consumers:
+            out, err = c.communicate(timeout=300)
+            assert c.returncode == 0 and out.strip() == "ok 125", err[-2000:]
+        conn = connect(address)
+        assert call(conn, "stats")["leased"] == 0, "a slot leaked"
+        conn.send(("stop",))
+    finally:
+        proc.wait(30)
+
+
+KILLED_CONSUMER = """
+import sys, time, torch
+from tests.gpu.arena_peer import connect, write
+from services.common.tensorref import FeatureImporter
+from vlmesh.v1 import common_pb2 as pb
+from pathlib import Path
+conn = connect(Path(sys.argv[1]))
+importer = FeatureImporter(torch.device("cuda"))
+for i in range(4):
+    importer.load(write(conn, i, (576, 1024), "bfloat16", pb.TRANSPORT_CUDA_IPC)[0])  # never released
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_leases_come_back_after_the_consumer_is_killed(tmp_path):
+    proc, address = start_peer(tmp_path, "--slots", "4", "--slot-mib", "1.2", "--ttl", "2")
+    try:
+        victim = subprocess.Popen(
+            [sys.executable, "-c", KILLED_CONSUMER, str(address)], env=ENV, cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
+        assert victim.stdout.readline().strip() == "holding"
+        conn = connect(address)
+        assert call(conn, "stats")["leased"] == 4
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        time.sleep(2.5)
+        call(conn, "reap")
+        assert call(conn, "stats")["leased"] == 0
+        ref, digest, _ = write(conn, 9, (576, 1024), "bfloat16", CUDA)  # the arena serves again
+        assert sha256(FeatureImporter(torch.device("cuda")).load(ref)) == digest
+        conn.send(("stop",))
+    finally:
+        proc.wait(30)
+
+
+def test_dead_producer_gives_unavailable(tmp_path):
+    proc, address = start_peer(tmp_path, "--slots", "2", "--slot-mib", "1.2")
+    conn = connect(address)
+    importer = FeatureImporter(torch.device("cuda"))
+    ref, digest, _ = write(conn, 1, (576, 1024), "bfloat16", CUDA)
+    assert sha256(importer.load(ref)) == digest  # opened and cached
+    ref2, _, _ = write(conn, 2, (576, 1024), "bfloat16", CUDA)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    time.sleep(3.5)  # past the heartbeat's staleness bound
+    with pytest.raises(Unavailable, match="stopped"):
+        importer.load(ref2)
+
+
+def test_mesh_on_gpu_uses_cuda_ipc_and_answers_like_the_cpu(tmp_path):
+    """The demo model through the GPU mesh (CUDA IPC hand-off) gives the CPU engine's answers."""
+    from tests.unit.test_engine import Parts
+
+    demo = ROOT / "models" / "demo"
+    pics = [render(np.random.default_rng([31337, i])) for i in range(24)]
+    jobs = [(encode(p.image, "PNG"), list(PROMPTS)[i % 3]) for i, p in enumerate(pics)]
+    cpu = Parts(demo, max_batch=8)
+    try:
+        expected = []
+        for data, prompt in jobs:
+            pair = cpu.request(data, prompt, max_tokens=8)
+            cpu.run(pair)
+            expected.append(pair[1]["text"])
+    finally:
+        cpu.engine.stop()
+    assert sum(e == p.answer(j[1]) for e, p, j in zip(expected, pics, jobs, strict=True)) >= 22
+    opts = mesh_options(demo, device="cuda", dtype="float32", threads=0, extra_env={"NVIDIA_TF32_OVERRIDE": "0"})
+    with Mesh(opts) as mesh:
+        mesh.start(progress=lambda m: None)
+        with grpc.insecure_channel(mesh.target("llm")) as lch, grpc.insecure_channel(mesh.target("vision")) as vch:
+            info = llm_pb2_grpc.LlmStub(lch).Info(pb.InfoRequest(), timeout=10)
+            assert info.transports[0] == CUDA and info.gpu_uuid
+            consumer = pb.ConsumerInfo(host_id=info.host_id, gpu_uuid=info.gpu_uuid, accept=info.transports)
+            enc = vision_pb2_grpc.VisionStub(vch).Encode(
+                vision_pb2.EncodeRequest(images=[pb.Image(data=jobs[0][0])], consumer=consumer), timeout=30
+            )
+            assert enc.features[0].transport == CUDA
+            reply = list(
+                llm_pb2_grpc.LlmStub(lch).Generate(
+                    llm_pb2.LlmGenerateRequest(
+                        prompt="What is in the image?",
+                        image_features=enc.features,
+                        sampling=pb.SamplingParams(max_tokens=4),
+                    ),
+                    timeout=30,
+                )
+            )
+            assert "".join(m.text for m in reply) == pics[0].answer("What is in the image?")
+        with grpc.insecure_channel(mesh.target("gateway")) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            got = [
+                stub.GenerateUnary(
+                    gateway_pb2.GenerateRequest(
+                        images=[pb.Image(data=d)], prompt=p, sampling=pb.SamplingParams(max_tokens=8)
+                    ),
+                    timeout=60,
+                ).text
+                for d, p in jobs
+            ]
+    assert got == expected
