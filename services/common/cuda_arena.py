@@ -98,6 +98,7 @@ class CudaImports:
     """Consumer side: opened arena allocations and slot events, cached for the process's life."""
 
     def __init__(self, device: torch.device) -> None:
+        torch.cuda.init()  # opening IPC handles needs an initialised CUDA context
         self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
         self._events: dict[tuple[str, int], torch.cuda.Event] = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import threading
 import time
 from multiprocessing.connection import Client, Listener
@@ -40,11 +41,10 @@ def serve(address_file: Path, slots: int, ttl: float, ready: str, slot_mib: floa
     device = torch.device("cuda")
     exporter = FeatureExporter(int(slot_mib * 2**20), slots, ttl, device, ready)
     listener = Listener(("127.0.0.1", 0), authkey=AUTHKEY)
-    stop = threading.Event()
 
     def handle(conn) -> None:
         with conn:
-            while not stop.is_set():
+            while True:
                 try:
                     msg = conn.recv()
                 except EOFError:
@@ -65,19 +65,17 @@ def serve(address_file: Path, slots: int, ttl: float, ready: str, slot_mib: floa
                 elif msg[0] == "reap":
                     conn.send(exporter.reap())
                 elif msg[0] == "stop":
-                    stop.set()
+                    # accept() in the main thread cannot be interrupted portably: leave hard,
+                    # after unlinking the arena's segment.
+                    exporter.close()
                     conn.send(True)
-                    listener.close()
+                    os._exit(0)
 
     host, port = listener.address
     address_file.write_text(f"{host}:{port}")
     try:
-        while not stop.is_set():
-            try:
-                conn = listener.accept()
-            except OSError:
-                break
-            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+        while True:
+            threading.Thread(target=handle, args=(listener.accept(),), daemon=True).start()
     finally:
         exporter.close()
 
