@@ -42,6 +42,29 @@ def serve(address_file: Path, slots: int, ttl: float, ready: str, slot_mib: floa
     exporter = FeatureExporter(int(slot_mib * 2**20), slots, ttl, device, ready)
     listener = Listener(("127.0.0.1", 0), authkey=AUTHKEY)
 
+    def reply(conn, msg) -> None:
+        if msg[0] == "write":
+            _, seed, shape, dtype, transport = msg
+            gen = torch.Generator(device=device).manual_seed(seed)
+            t = torch.randn(shape, generator=gen, device=device).to(DTYPES[dtype])
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            ref = exporter.export([t], transport)[0]
+            elapsed = time.perf_counter() - start
+            conn.send((ref.SerializeToString(), sha256(t), elapsed))
+        elif msg[0] == "release":
+            conn.send(exporter.release([msg[1]]) == 1)
+        elif msg[0] == "stats":
+            conn.send({"leased": exporter.leased, "gpu_uuid": exporter.gpu_uuid, "host": exporter.host})
+        elif msg[0] == "reap":
+            conn.send(exporter.reap())
+        elif msg[0] == "stop":
+            # accept() in the main thread cannot be interrupted portably: leave hard,
+            # after unlinking the arena's segment.
+            exporter.close()
+            conn.send(True)
+            os._exit(0)
+
     def handle(conn) -> None:
         with conn:
             while True:
@@ -49,27 +72,10 @@ def serve(address_file: Path, slots: int, ttl: float, ready: str, slot_mib: floa
                     msg = conn.recv()
                 except EOFError:
                     return
-                if msg[0] == "write":
-                    _, seed, shape, dtype, transport = msg
-                    gen = torch.Generator(device=device).manual_seed(seed)
-                    t = torch.randn(shape, generator=gen, device=device).to(DTYPES[dtype])
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    ref = exporter.export([t], transport)[0]
-                    elapsed = time.perf_counter() - start
-                    conn.send((ref.SerializeToString(), sha256(t), elapsed))
-                elif msg[0] == "release":
-                    conn.send(exporter.release([msg[1]]) == 1)
-                elif msg[0] == "stats":
-                    conn.send({"leased": exporter.leased, "gpu_uuid": exporter.gpu_uuid, "host": exporter.host})
-                elif msg[0] == "reap":
-                    conn.send(exporter.reap())
-                elif msg[0] == "stop":
-                    # accept() in the main thread cannot be interrupted portably: leave hard,
-                    # after unlinking the arena's segment.
-                    exporter.close()
-                    conn.send(True)
-                    os._exit(0)
+                try:
+                    reply(conn, msg)
+                except Exception as err:  # the consumer sees the error instead of a dropped line
+                    conn.send(err)
 
     host, port = listener.address
     address_file.write_text(f"{host}:{port}")
@@ -92,7 +98,10 @@ def connect(address_file: Path, timeout: float = 60.0):
 
 def call(conn, *msg):
     conn.send(msg)
-    return conn.recv()
+    out = conn.recv()
+    if isinstance(out, Exception):
+        raise out
+    return out
 
 
 def write(conn, seed: int, shape, dtype: str, transport: int) -> tuple[pb.TensorRef, str, float]:
