@@ -8,7 +8,7 @@ expired RPC aborts the request in the engine, which frees its KV slot.
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
 import logging
 import time
 
@@ -21,9 +21,9 @@ from services.common.qos import qos_from_metadata
 from services.common.sampling import check_sampling
 from services.common.tensorref import FeatureImporter
 from services.common.validation import check_prompt
-from services.llm.detokenizer import Detokenizer
 from services.llm.engine import Engine
 from services.llm.request import Finish, Output, Request
+from services.llm.submit import submit
 from services.model.prompt import PromptBuilder
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import llm_pb2, llm_pb2_grpc, vision_pb2, vision_pb2_grpc
@@ -46,7 +46,6 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             from services.common.cuda_arena import gpu_uuid
 
             self.gpu_uuid = gpu_uuid(engine.runner.device)
-        self._ids = itertools.count()
         self._vision = vision_pb2_grpc.VisionStub(grpc.aio.insecure_channel(vision_target)) if vision_target else None
         self._background: set[asyncio.Task] = set()
 
@@ -93,56 +92,24 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             raise
         self._release_soon(request.image_features)
         handoff_ms = (time.perf_counter() - t0) * 1000
-        prompt = self.prompts.build(request.prompt, len(features))
-        room = self.spec.text.max_context - len(prompt.ids)
-        if sampling.max_tokens is not None and sampling.max_tokens > room:
-            raise InvalidArgument(
-                f"sampling.max_tokens={sampling.max_tokens} does not fit: the prompt takes {len(prompt.ids)} of the "
-                f"model's {self.spec.text.max_context} context tokens, leaving {room}"
-            )
-        if room < 1:
-            raise InvalidArgument(f"the prompt takes {len(prompt.ids)} tokens, the model's whole context")
-        max_new = sampling.max_tokens if sampling.max_tokens is not None else min(self.default_max_tokens, room)
-
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[Output] = asyncio.Queue()
-
-        def emit(out: Output) -> None:  # engine thread -> this event loop
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
-
-        req = Request(
-            id=f"{request.request_id or 'req'}#{next(self._ids)}",
-            prompt_ids=prompt.ids,
-            image_positions=prompt.image_positions,
-            image_features=features,
-            text_tokens=prompt.text_tokens,
-            sampling=sampling,
-            max_new=max_new,
-            qos=qos,
-            detok=Detokenizer(self.prompts.tokenizer, sampling.stop),
-            emit=emit,
+        sub = submit(
+            self.engine,
+            self.prompts,
+            self.default_max_tokens,
+            request.request_id,
+            request.prompt,
+            features,
+            sampling,
+            qos,
         )
-        self.engine.add(req)
-        finished = False
-        try:
-            while not finished:
-                out = await outputs.get()
-                text, ids = out.text, list(out.token_ids)
-                # Coalesce what is already queued into one message: fewer, larger messages.
-                while out.finish is None and not outputs.empty():
-                    out = outputs.get_nowait()
-                    text += out.text
-                    ids.extend(out.token_ids)
+        async with contextlib.aclosing(sub.outputs()) as outputs:  # closing it aborts an unfinished request
+            async for out in outputs:
                 if out.finish is None:
-                    yield llm_pb2.LlmGenerateResponse(text=text, token_ids=ids)
-                    continue
-                finished = True
-                yield self._final(req, out, text, ids, handoff_ms)
-        finally:
-            if not finished:
-                self.engine.abort(req.id)  # cancelled or deadline: stop decoding, free the slot
+                    yield llm_pb2.LlmGenerateResponse(text=out.text, token_ids=out.token_ids)
+                else:
+                    yield self._final(sub.req, out, handoff_ms)
 
-    def _final(self, req: Request, out: Output, text: str, ids: list[int], handoff_ms: float):
+    def _final(self, req: Request, out: Output, handoff_ms: float):
         if out.finish is Finish.ERROR:
             raise MeshError(out.error or "the engine failed this request")
         if out.finish is Finish.ABORT:
@@ -157,7 +124,11 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             prompt_tokens=req.text_tokens, image_tokens=req.image_tokens, output_tokens=len(req.output_ids)
         )
         return llm_pb2.LlmGenerateResponse(
-            text=text, token_ids=ids, finish_reason=FINISH_TO_PB[out.finish], usage=usage, timings=timings
+            text=out.text,
+            token_ids=out.token_ids,
+            finish_reason=FINISH_TO_PB[out.finish],
+            usage=usage,
+            timings=timings,
         )
 
     @errors.unary

@@ -1,0 +1,96 @@
+"""The workloads of BENCHMARKS.md: W1 short, W2 long, W3 repeat (Zipf over a pool of 50).
+
+Pictures are the demo task's shapes (services/model/shapes.py) resized to the workload's
+size and encoded as JPEG (quality 90), made locally. Prompts are padded to the workload's
+token length with the served model's tokenizer; output length is forced with
+min_tokens = max_tokens and ignore_eos, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.common.qos import QosLevel
+from services.model.shapes import encode, render
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    image_size: int
+    prompt_tokens: int
+    output_tokens: int
+    pool: int | None = None  # draw images from a pool of this size (else all distinct)
+    zipf_s: float = 1.1
+
+
+WORKLOADS = {
+    "W1": Workload("W1", 224, 32, 16),
+    "W2": Workload("W2", 384, 128, 16),
+    "W3": Workload("W3", 224, 32, 16, pool=50),
+}
+
+BASE_PROMPT = "What is in the image?"
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    image: bytes
+    image_key: int  # equal keys mean equal bytes (W3 repeats)
+    prompt: str
+    max_tokens: int
+    qos: QosLevel
+
+
+def padded_prompt(tokenizer, n_tokens: int) -> str:
+    """BASE_PROMPT followed by filler words, with exactly n_tokens text tokens when possible."""
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    base = count(BASE_PROMPT)
+    if n_tokens <= base:
+        return BASE_PROMPT
+    k = n_tokens - base
+    for _ in range(8):  # one filler word is about one token; correct for merges
+        text = BASE_PROMPT + " more" * k
+        diff = n_tokens - count(text)
+        if diff == 0:
+            break
+        k = max(0, k + diff)
+    return BASE_PROMPT + " more" * k
+
+
+class RequestFactory:
+    """Request i of a run is fixed by (seed, i): picture, QoS class, pool draw."""
+
+    def __init__(self, workload: Workload, tokenizer, seed: int, qos_mix: tuple[float, float, float]) -> None:
+        self.workload = workload
+        self.seed = seed
+        self.prompt = padded_prompt(tokenizer, workload.prompt_tokens)
+        self.prompt_tokens = len(tokenizer(self.prompt, add_special_tokens=False)["input_ids"])
+        total = sum(qos_mix)
+        self.qos_p = np.array(qos_mix) / total
+        self._cache: dict[int, bytes] = {}
+        if workload.pool:
+            ranks = np.arange(1, workload.pool + 1, dtype=np.float64)
+            self.pool_p = ranks**-workload.zipf_s / (ranks**-workload.zipf_s).sum()
+
+    def image(self, key: int) -> bytes:
+        data = self._cache.get(key)
+        if data is None:
+            size = self.workload.image_size
+            pic = render(np.random.default_rng([self.seed, 7, key]))
+            data = encode(pic.image.resize((size, size)), "JPEG", 90)
+            if self.workload.pool:
+                self._cache[key] = data  # a pool is small; distinct images are not kept
+        return data
+
+    def make(self, i: int) -> BenchRequest:
+        rng = np.random.default_rng([self.seed, 11, i])
+        key = int(rng.choice(self.workload.pool, p=self.pool_p)) if self.workload.pool else i
+        qos = QosLevel(int(rng.choice(3, p=self.qos_p)))
+        return BenchRequest(i, self.image(key), key, self.prompt, self.workload.output_tokens, qos)
