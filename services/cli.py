@@ -10,6 +10,7 @@ commands:
   up          start gateway, vision and llm, warm up, and serve until Ctrl-C
   demo        start the mesh on the demo model, answer one picture, and stop
   generate    send one image and prompt to a gateway and stream the answer
+  bench       open-loop load with the write-ups' workloads, against the mesh and baselines
   serve NAME  run one service: gateway, vision or llm
   make-tiny-model DIR
               write a tiny random-weight LLaVA checkpoint (for tests and trials)
@@ -36,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.client import main as generate
 
         return generate(rest)
+    if cmd == "bench":
+        from services.bench.cli import main as bench
+
+        return bench(rest)
     if cmd == "serve":
         services = {"gateway", "vision", "llm"}
         if not rest or rest[0] not in services:

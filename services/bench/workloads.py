@@ -45,8 +45,12 @@ class BenchRequest:
     qos: QosLevel
 
 
+FILLERS = (" image", " shape", " a", " the", " more", " x")
+
+
 def padded_prompt(tokenizer, n_tokens: int) -> str:
-    """BASE_PROMPT followed by filler words, with exactly n_tokens text tokens when possible."""
+    """BASE_PROMPT followed by a filler word that costs one token each, to n_tokens text tokens
+    (the closest below when no filler is a single token)."""
 
     def count(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -54,14 +58,13 @@ def padded_prompt(tokenizer, n_tokens: int) -> str:
     base = count(BASE_PROMPT)
     if n_tokens <= base:
         return BASE_PROMPT
-    k = n_tokens - base
-    for _ in range(8):  # one filler word is about one token; correct for merges
-        text = BASE_PROMPT + " more" * k
-        diff = n_tokens - count(text)
-        if diff == 0:
-            break
-        k = max(0, k + diff)
-    return BASE_PROMPT + " more" * k
+    for filler in FILLERS:
+        if count(BASE_PROMPT + filler * 3) - base == 3:
+            return BASE_PROMPT + filler * (n_tokens - base)
+    text = BASE_PROMPT
+    while count(text + FILLERS[-1]) <= n_tokens:
+        text += FILLERS[-1]
+    return text
 
 
 class RequestFactory:

@@ -1,0 +1,90 @@
+"""Open-loop load: Poisson arrivals at a fixed rate, every request accounted for.
+
+Arrival times are drawn before the run and each request is sent at its time whether or
+not earlier ones finished (closed loops hide queueing). Requests are built before the
+clock starts so that making JPEGs never delays a send. Every send is a task whose outcome
+is recorded in all cases, so sent == sum of final statuses by construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.bench.targets import Outcome
+from services.bench.workloads import BenchRequest, RequestFactory
+
+
+@dataclass
+class Record:
+    request: BenchRequest
+    scheduled_s: float  # offset from the run's start
+    sent_s: float  # when the client actually sent it
+    outcome: Outcome
+
+
+def poisson_offsets(rate: float, duration_s: float, rng: np.random.Generator) -> list[float]:
+    """Arrival offsets in [0, duration_s) of a Poisson process with `rate` per second."""
+    out, t = [], 0.0
+    while True:
+        t += rng.exponential(1.0 / rate)
+        if t >= duration_s:
+            return out
+        out.append(t)
+
+
+async def run_open_loop(
+    target, factory: RequestFactory, rate: float, duration_s: float, seed: int, label: str = "", progress: bool = True
+) -> tuple[list[Record], dict]:
+    """Offer `rate` req/s for `duration_s`; return the records and the client's own costs."""
+    offsets = poisson_offsets(rate, duration_s, np.random.default_rng([seed, 3, int(rate * 1000)]))
+    requests = [factory.make(i) for i in range(len(offsets))]
+    loop = asyncio.get_running_loop()
+    records: list[Record | None] = [None] * len(offsets)
+    done = 0
+
+    async def one(i: int, scheduled: float, sent: float) -> None:
+        nonlocal done
+        try:
+            outcome = await target.send(requests[i])
+        except Exception as err:  # a target must not raise; if one does, it is still counted
+            outcome = Outcome(f"CLIENT_{type(err).__name__}")
+        records[i] = Record(requests[i], scheduled, sent, outcome)
+        done += 1
+
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    start = loop.time()
+    tasks = []
+    last_print = 0.0
+    for i, offset in enumerate(offsets):
+        delay = start + offset - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, offset, loop.time() - start)))
+        now = loop.time() - start
+        if progress and now - last_print >= 1.0:
+            last_print = now
+            print(
+                f"\r  {label} {rate:g} req/s: {now:5.1f}/{duration_s:g}s sent {i + 1}/{len(offsets)} done {done}",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+    while done < len(tasks):  # drain: every request ends with a result or a status
+        if progress:
+            print(
+                f"\r  {label} {rate:g} req/s: draining, done {done}/{len(tasks)}        ",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+        await asyncio.wait(tasks, timeout=1.0)
+    if progress:
+        print(file=sys.stderr)
+    wall = time.perf_counter() - wall0
+    client = {"cpu_s": time.process_time() - cpu0, "wall_s": wall, "cpu_share": (time.process_time() - cpu0) / wall}
+    return [r for r in records if r is not None], client

@@ -1,0 +1,150 @@
+"""Summaries, the printed table, the JSON file and the plots of a benchmark run."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from services.bench.load import Record
+from services.bench.stats import summarize
+from services.bench.targets import STAGES
+
+# The write-ups' headline table (their hardware: 2x A10), for --compare-seeds.
+SEEDS = {
+    "W1": {"p99_ms": 387.0, "rps": 24.1, "what": "224x224, 32 text tokens"},
+    "W2": {"p99_ms": 412.0, "rps": 18.9, "what": "384x384, 128 text tokens"},
+}
+
+
+def summarize_run(records: list[Record], rate: float, duration_s: float, warmup_s: float, client: dict) -> dict:
+    """Latency over requests scheduled after the warm-up; statuses over every request sent."""
+    measured = [r for r in records if r.scheduled_s >= warmup_s]
+    ok = [r.outcome for r in measured if r.outcome.status == "OK"]
+    window = max(duration_s - warmup_s, 1e-9)
+    statuses = Counter(r.outcome.status for r in records)
+    lag = [max(0.0, r.sent_s - r.scheduled_s) * 1000 for r in records]
+    return {
+        "offered_rps": rate,
+        "sent": len(records),
+        "statuses": dict(statuses),
+        "lost": len(records) - sum(statuses.values()),
+        "measured": len(measured),
+        "throughput_rps": len(ok) / window,
+        "output_tok_s": sum(o.output_tokens for o in ok) / window,
+        "e2e_ms": summarize([o.e2e_s * 1000 for o in ok]),
+        "ttft_ms": summarize([o.ttft_s * 1000 for o in ok if o.ttft_s is not None]),
+        "tpot_ms": summarize([o.tpot_s * 1000 for o in ok if o.tpot_s is not None]),
+        "stages_ms_p50": {s: summarize([o.stages_ms.get(s, 0.0) for o in ok])["p50"] for s in STAGES},
+        "client": {**client, "send_lag_ms": summarize(lag)},
+    }
+
+
+def table(runs: list[dict]) -> str:
+    head = (
+        f"{'target':<10}{'wl':<4}{'rate':>6}{'req/s':>7}{'tok/s':>8}{'e2e p50':>9}{'p90':>8}{'p99':>8}"
+        f"{'ttft p50':>9}{'p99':>8}{'tpot p50':>9}{'p99':>7}  " + " ".join(f"{s[:7]:>7}" for s in STAGES) + "  statuses"
+    )
+    lines = [head]
+    for r in runs:
+        s = r["summary"]
+        e, t, p = s["e2e_ms"], s["ttft_ms"], s["tpot_ms"]
+        stages = " ".join(f"{s['stages_ms_p50'][k]:7.1f}" for k in STAGES)
+        statuses = ",".join(f"{k}={v}" for k, v in sorted(s["statuses"].items()))
+        lines.append(
+            f"{r['target']:<10}{r['workload']:<4}{s['offered_rps']:6g}{s['throughput_rps']:7.1f}{s['output_tok_s']:8.0f}"
+            f"{e['p50']:9.1f}{e['p90']:8.1f}{e['p99']:8.1f}{t['p50']:9.1f}{t['p99']:8.1f}{p['p50']:9.2f}{p['p99']:7.2f}"
+            f"  {stages}{s['client']['send_lag_ms']['p99']:7.1f}  {statuses}"
+        )
+    lines.append(
+        "latencies in ms; stages are p50 ms of queue, preprocess, vision, hand-off, prefill, decode; "
+        "lag99 is the client's own p99 delay in sending (its overhead)"
+    )
+    return "\n".join(lines)
+
+
+def compare_seeds(runs: list[dict], p99_budget_ms: float = 800.0) -> str:
+    """Our best rate per target and workload whose p99 stays in budget, beside the write-ups' figures."""
+    lines = [
+        "write-ups (OTHER HARDWARE: 2x A10) vs this run (this machine):",
+        f"{'workload':<30}{'theirs p99':>12}{'theirs req/s':>14}   {'ours (target)':<16}{'p99':>9}{'req/s':>8}",
+    ]
+    for wl, seed in SEEDS.items():
+        ours = [r for r in runs if r["workload"] == wl and r["summary"]["e2e_ms"]["p99"] <= p99_budget_ms]
+        for target in sorted({r["target"] for r in ours}) or ["-"]:
+            best = max(
+                (r for r in ours if r["target"] == target), key=lambda r: r["summary"]["throughput_rps"], default=None
+            )
+            mine = (
+                f"{best['summary']['e2e_ms']['p99']:9.1f}{best['summary']['throughput_rps']:8.1f}"
+                if best
+                else f"{'n/a':>9}{'n/a':>8}"
+            )
+            lines.append(f"{wl + ' ' + seed['what']:<30}{seed['p99_ms']:12.0f}{seed['rps']:14.1f}   {target:<16}{mine}")
+    lines.append(f"ours: the highest throughput whose e2e p99 <= {p99_budget_ms:.0f} ms")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, config: dict, env: dict, runs: list[dict], records: dict[str, list[Record]]) -> None:
+    raw = {
+        key: [
+            {
+                "i": r.request.index,
+                "qos": r.request.qos.wire,
+                "image_key": r.request.image_key,
+                "scheduled_s": r.scheduled_s,
+                "sent_s": r.sent_s,
+                "status": r.outcome.status,
+                "e2e_ms": r.outcome.e2e_s * 1000,
+                "ttft_ms": None if r.outcome.ttft_s is None else r.outcome.ttft_s * 1000,
+                "tokens": r.outcome.output_tokens,
+                "stages_ms": r.outcome.stages_ms,
+            }
+            for r in recs
+        ]
+        for key, recs in records.items()
+    }
+    path.write_text(json.dumps({"config": config, "env": env, "runs": runs, "requests": raw}, indent=1))
+
+
+def plot(out_dir: Path, runs: list[dict], records: dict[str, list[Record]], warmup_s: float) -> list[Path]:
+    """latency-vs-throughput.png and latency-cdf.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({(r["target"], r["workload"]) for r in runs}):
+        rs = sorted((r for r in runs if (r["target"], r["workload"]) == key), key=lambda r: r["summary"]["offered_rps"])
+        x = [r["summary"]["throughput_rps"] for r in rs]
+        for q, style in (("p50", "-o"), ("p99", "--^")):
+            ax.plot(x, [r["summary"]["e2e_ms"][q] for r in rs], style, label=f"{key[0]} {key[1]} {q}")
+    ax.set_xlabel("throughput (req/s)")
+    ax.set_ylabel("end-to-end latency (ms)")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("latency against throughput (open loop, Poisson)")
+    fig.tight_layout()
+    paths.append(out_dir / "latency-vs-throughput.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, recs in records.items():
+        xs = sorted(r.outcome.e2e_s * 1000 for r in recs if r.outcome.status == "OK" and r.scheduled_s >= warmup_s)
+        if xs:
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=key)
+    ax.set_xlabel("end-to-end latency (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_xscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("latency CDF per run")
+    fig.tight_layout()
+    paths.append(out_dir / "latency-cdf.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths

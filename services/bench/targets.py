@@ -1,0 +1,228 @@
+"""What the load generator drives: the mesh over gRPC, the same engine in-process, or
+transformers' naive `generate`. Each `send` returns an Outcome and never raises."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.bench.workloads import BenchRequest
+from services.common.qos import QOS_METADATA_KEY
+from services.common.server import GRPC_OPTIONS
+from vlmesh.v1 import common_pb2 as pb
+from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
+
+REQUEST_TIMEOUT_S = 120.0
+STAGES = ("queue", "preprocess", "vision", "handoff", "prefill", "decode")
+
+
+@dataclass
+class Outcome:
+    status: str  # "OK" or a gRPC status name
+    e2e_s: float = 0.0
+    ttft_s: float | None = None
+    output_tokens: int = 0
+    stages_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def stages_from_timings(t: pb.StageTimings) -> dict[str, float]:
+    return {
+        "queue": t.admission_ms + t.vision_queue_ms + t.llm_queue_ms,
+        "preprocess": t.preprocess_ms,
+        "vision": t.vision_ms,
+        "handoff": t.handoff_ms,
+        "prefill": t.prefill_ms,
+        "decode": t.decode_ms,
+    }
+
+
+def sampling_for(req: BenchRequest) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=req.max_tokens, min_tokens=req.max_tokens, ignore_eos=True)
+
+
+class MeshTarget:
+    name = "mesh"
+
+    def __init__(self, gateway: str) -> None:
+        self.gateway = gateway
+        self.channel = grpc.aio.insecure_channel(gateway, options=GRPC_OPTIONS)
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+
+    async def send(self, req: BenchRequest) -> Outcome:
+        start = time.perf_counter()
+        ttft, tokens, final = None, 0, None
+        msg = gateway_pb2.GenerateRequest(
+            images=[pb.Image(data=req.image, mime_type="image/jpeg")], prompt=req.prompt, sampling=sampling_for(req)
+        )
+        try:
+            async for out in self.stub.Generate(
+                msg, metadata=((QOS_METADATA_KEY, req.qos.wire),), timeout=REQUEST_TIMEOUT_S
+            ):
+                if out.token_ids and ttft is None:
+                    ttft = time.perf_counter() - start
+                tokens += len(out.token_ids)
+                final = out
+        except grpc.aio.AioRpcError as err:
+            return Outcome(err.code().name, time.perf_counter() - start)
+        if final is None or final.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            return Outcome("INCOMPLETE", time.perf_counter() - start)
+        return Outcome("OK", time.perf_counter() - start, ttft, tokens, stages_from_timings(final.timings))
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class InprocessTarget:
+    """The mesh's own encoder, batcher and engine in this process: no gRPC, no hand-off."""
+
+    name = "inprocess"
+
+    def __init__(self, model_dir: str, device: str, dtype: str, max_vision_batch: int, max_llm_batch: int) -> None:
+        from services.llm.engine import Engine
+        from services.llm.runner import ModelRunner
+        from services.model.prompt import PromptBuilder
+        from services.model.spec import load_spec
+        from services.vision.batcher import VisionBatcher
+        from services.vision.encoder import VisionEncoder
+
+        spec = load_spec(model_dir)
+        self.prompts = PromptBuilder(spec)
+        self.encoder = VisionEncoder(spec, device, dtype)
+        self.batcher = VisionBatcher(self.encoder, max_vision_batch)
+        self.engine = Engine(ModelRunner(spec, self.encoder.device, self.encoder.dtype, max_llm_batch), max_llm_batch)
+        self.engine.start()
+        self._started = False
+
+    async def send(self, req: BenchRequest) -> Outcome:
+        from services.common.sampling import check_sampling
+        from services.llm.request import Finish
+        from services.llm.submit import submit
+
+        if not self._started:
+            self.batcher.start()
+            self._started = True
+        start = time.perf_counter()
+        try:
+            pixels = await asyncio.get_running_loop().run_in_executor(None, self.encoder.pixels, req.image)
+            preprocess_ms = (time.perf_counter() - start) * 1000
+            encoded = await self.batcher.submit(pixels, req.qos)
+            sampling = check_sampling(sampling_for(req), self.prompts.spec.text.max_context)
+            sub = submit(
+                self.engine,
+                self.prompts,
+                req.max_tokens,
+                str(req.index),
+                req.prompt,
+                [encoded.features],
+                sampling,
+                req.qos,
+            )
+            ttft, tokens = None, 0
+            async with contextlib.aclosing(sub.outputs()) as outputs:
+                async for out in outputs:
+                    if out.token_ids and ttft is None:
+                        ttft = time.perf_counter() - start
+                    tokens += len(out.token_ids)
+                    if out.finish is not None and out.finish not in (Finish.STOP, Finish.LENGTH):
+                        return Outcome(out.finish.name, time.perf_counter() - start)
+        except Exception as err:  # a benchmark records failures, it does not stop on them
+            return Outcome(type(err).__name__, time.perf_counter() - start)
+        r = sub.req
+        stages = {
+            "queue": encoded.queue_ms + (r.scheduled_at - r.arrival) * 1000,
+            "preprocess": preprocess_ms,
+            "vision": encoded.encode_ms,
+            "handoff": 0.0,
+            "prefill": (r.prefill_done_at - r.scheduled_at) * 1000,
+            "decode": (r.finished_at - r.prefill_done_at) * 1000,
+        }
+        return Outcome("OK", time.perf_counter() - start, ttft, tokens, stages)
+
+    async def close(self) -> None:
+        await self.batcher.stop()
+        self.engine.stop()
+
+
+class HfTarget:
+    """transformers' LlavaForConditionalGeneration.generate, one request at a time: what a
+    user gets without a serving system."""
+
+    name = "hf"
+
+    def __init__(self, model_dir: str, device: str) -> None:
+        import torch
+        from transformers import AutoTokenizer, LlavaForConditionalGeneration
+
+        from services.model.preprocess import ImageProcessorConfig
+        from services.model.prompt import PromptBuilder
+        from services.model.spec import load_spec
+
+        self.torch = torch
+        spec = load_spec(model_dir)
+        self.device = torch.device(
+            "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+        )
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.prompts = PromptBuilder(spec)
+        self.processor = ImageProcessorConfig.load(spec.model_dir, spec.vision.image_size)
+        self.dtype = dtype
+        self._lock = asyncio.Lock()
+
+    def _generate(self, req: BenchRequest) -> tuple[float, int]:
+        """Return (perf_counter at the first new token, tokens generated)."""
+        from transformers.generation.streamers import BaseStreamer
+
+        from services.model.preprocess import decode_image, preprocess
+
+        torch = self.torch
+        first: dict[str, float] = {}
+
+        class FirstToken(BaseStreamer):
+            calls = 0
+
+            def put(self, value):  # the first put is the prompt, the second the first new token
+                FirstToken.calls += 1
+                if FirstToken.calls == 2:
+                    first["t"] = time.perf_counter()
+
+            def end(self):
+                pass
+
+        pixels = preprocess(decode_image(req.image), self.processor)[None].to(self.device, self.dtype)
+        ids = torch.tensor([self.prompts.build(req.prompt, 1).ids], device=self.device)
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=ids,
+                pixel_values=pixels,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=req.max_tokens,
+                min_new_tokens=req.max_tokens,
+                do_sample=False,
+                streamer=FirstToken(),
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+        return first.get("t", time.perf_counter()), out.shape[1] - ids.shape[1]
+
+    async def send(self, req: BenchRequest) -> Outcome:
+        start = time.perf_counter()
+        try:
+            async with self._lock:  # naive: one request at a time
+                first_at, tokens = await asyncio.get_running_loop().run_in_executor(None, self._generate, req)
+        except Exception as err:
+            return Outcome(type(err).__name__, time.perf_counter() - start)
+        return Outcome("OK", time.perf_counter() - start, first_at - start, tokens)
+
+    async def close(self) -> None:
+        pass
