@@ -7,12 +7,14 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu venv protos lint up help
+.PHONY: demo test test-gpu bench bench-gpu venv protos lint help
 
 help:
 	@echo "make demo      start the mesh on the demo model, answer one picture, stop"
 	@echo "make test      create or refresh .venv and run the CPU test suite"
 	@echo "make test-gpu  run the GPU tests (on a CUDA host, with its own python)"
+	@echo "make bench     CPU sweep on the demo model: mesh and in-process, W1 and W3, 4 rates (OUT=dir)"
+	@echo "make bench-gpu GPU sweep on preset:llava-7b-shaped: mesh W1/W2 at 4 rates, then transformers (OUT=dir)"
 	@echo "make protos    regenerate vlmesh/v1 stubs from protos/"
 	@echo "make lint      ruff check and format check"
 
@@ -36,6 +38,20 @@ test: $(STAMP)
 # On the GPU machine: its python already has torch with CUDA; missing wheels are carried.
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu tests/gpu
+
+OUT ?= bench-results/$(shell date +%Y%m%d-%H%M%S)
+
+bench: $(STAMP)
+	$(VENV)/bin/vlmesh bench --model models/demo --target mesh,inprocess --workload W1,W3 --rates 2,4,8,16 \
+		--duration 20 --warmup 3 --out $(OUT) --compare-seeds
+
+# One command on the H200, under 10 minutes: the mesh on the 7B-shaped preset (random bf16
+# weights made on the GPU), then naive transformers on the same preset at lower rates.
+bench-gpu:
+	$(PYTHON) -m services.cli bench --model preset:llava-7b-shaped --device cuda --target mesh \
+		--workload W1,W2 --rates 1,2,4,8 --duration 25 --warmup 5 --max-llm-batch 16 --out $(OUT)/mesh --compare-seeds
+	$(PYTHON) -m services.cli bench --model preset:llava-7b-shaped --device cuda --target hf \
+		--workload W1 --rates 0.25,0.5,1,2 --duration 20 --warmup 4 --out $(OUT)/hf
 
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py

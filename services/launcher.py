@@ -238,7 +238,11 @@ def warmup_images(directory: str | None) -> list[Path]:
 
 
 def add_mesh_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="local directory of a Hugging Face LLaVA checkpoint")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="local directory of a Hugging Face LLaVA checkpoint, or preset:NAME (random weights)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address all three servers bind (default %(default)s)")
     p.add_argument(
         "--gateway-port",
@@ -291,6 +295,9 @@ def up(argv: list[str] | None = None) -> int:
     )
     add_mesh_args(p)
     args = p.parse_args(argv)
+    from services.model.presets import resolve_model
+
+    args.model = resolve_model(args.model)  # preset:NAME -> its directory, made once before the children start
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model}: not a checkpoint directory (no config.json)")
     try:

@@ -65,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vlmesh bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default="models/demo", help="checkpoint directory (default %(default)s)")
+    p.add_argument(
+        "--model",
+        default="models/demo",
+        help="checkpoint directory, or preset:llava-7b-shaped for random weights (default %(default)s)",
+    )
     p.add_argument("--target", default="mesh", help=f"comma list of {', '.join(TARGETS)} (default %(default)s)")
     p.add_argument("--gateway", default=None, help="HOST:PORT of a running gateway instead of starting a mesh")
     p.add_argument("--workload", default="W1", help=f"comma list of {', '.join(WORKLOADS)} (default %(default)s)")
@@ -130,10 +134,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    from transformers import AutoTokenizer
+
+    from services.model.presets import resolve_model
+
+    args.model = resolve_model(args.model)  # preset:NAME -> its directory, made once
     if not (Path(args.model) / "config.json").is_file():
         print(f"vlmesh bench: error: --model {args.model}: no config.json", file=sys.stderr)
         return 2
-    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     out = args.out or Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -164,6 +164,7 @@ class HfTarget:
         from transformers import AutoTokenizer, LlavaForConditionalGeneration
 
         from services.model.preprocess import ImageProcessorConfig
+        from services.model.presets import is_random
         from services.model.prompt import PromptBuilder
         from services.model.spec import load_spec
 
@@ -173,8 +174,13 @@ class HfTarget:
             "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
         )
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if is_random(spec.model_dir):  # a preset: transformers' own random init, on the device
+            with self.device:
+                self.model = LlavaForConditionalGeneration(spec.hf_config).to(dtype).eval()
+        else:
+            self.model = LlavaForConditionalGeneration.from_pretrained(spec.model_dir, dtype=dtype)
+            self.model = self.model.to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
         self.prompts = PromptBuilder(spec)
         self.processor = ImageProcessorConfig.load(spec.model_dir, spec.vision.image_size)
         self.dtype = dtype

@@ -21,6 +21,7 @@ from torch import nn
 from services.common.errors import InvalidArgument
 from services.model.clip import VisionTower
 from services.model.llama import LlamaDecoder
+from services.model.presets import init_random, is_random
 from services.model.spec import LlavaSpec
 
 # (pattern, part, replacement): the first match names the part and the key inside it.
@@ -69,6 +70,8 @@ def read_state_dict(model_dir: Path, part: str, wanted: set[str]) -> dict[str, t
 
 
 def _load(module: nn.Module, model_dir: Path, part: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    if is_random(model_dir):  # a benchmark preset: no weights on disk
+        return init_random(module, device, dtype)
     wanted = set(module.state_dict().keys())
     state = read_state_dict(model_dir, part, wanted)
     missing = wanted - state.keys()
@@ -87,7 +90,7 @@ def load_vision_tower(spec: LlavaSpec, device: torch.device, dtype: torch.dtype)
 def load_decoder(spec: LlavaSpec, device: torch.device, dtype: torch.dtype) -> LlamaDecoder:
     with torch.device("meta"):
         decoder = LlamaDecoder(spec.text)
-    if spec.text.tie_embeddings:
+    if spec.text.tie_embeddings and not is_random(spec.model_dir):
         # Tied checkpoints carry no lm_head tensor; share the embedding matrix instead.
         state = read_state_dict(spec.model_dir, "text", {"embed_tokens.weight", "lm_head.weight"})
         if "lm_head.weight" not in state:

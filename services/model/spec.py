@@ -81,7 +81,9 @@ def load_spec(model_dir: str | Path) -> LlavaSpec:
     """Read a Hugging Face LLaVA checkpoint's config with transformers and validate it."""
     from transformers import AutoConfig, GenerationConfig
 
-    path = Path(model_dir)
+    from services.model.presets import resolve_model
+
+    path = Path(resolve_model(str(model_dir)))
     if not (path / "config.json").is_file():
         raise InvalidArgument(f"{path}: no config.json; --model must be a local LLaVA checkpoint directory")
     cfg = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -115,7 +117,7 @@ def load_spec(model_dir: str | Path) -> LlavaSpec:
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     return LlavaSpec(
         model_dir=path,
-        model_id=path.name,
+        model_id=str(model_dir).removeprefix("preset:") if str(model_dir).startswith("preset:") else path.name,
         vision=VisionSpec(
             hidden=vc.hidden_size,
             intermediate=vc.intermediate_size,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +133,19 @@ def test_abort_frees_the_slot(parts):
     ok = parts.request(0, PROMPTS[0], max_tokens=3)
     parts.run(ok)
     assert ok[1]["finish"] in (Finish.LENGTH, Finish.STOP)
+
+
+def test_random_preset_runs_without_weights(tmp_path):
+    """preset:NAME needs no weight files: modules are initialised on the device."""
+    from services.model.presets import resolve_model
+
+    model_dir = resolve_model("preset:tiny-shaped", cache=tmp_path)
+    assert not list(Path(model_dir).glob("*.safetensors"))
+    parts = Parts(model_dir, max_batch=2)
+    try:
+        pair = parts.request(1, PROMPTS[0], max_tokens=8, min_tokens=8, ignore_eos=True)
+        parts.run(pair)
+        assert len(pair[1]["ids"]) == 8
+        assert parts.vision.spec.image_tokens == 16  # (56 / 14) ** 2
+    finally:
+        parts.engine.stop()
