@@ -57,6 +57,26 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
 
 
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    device: str
+    dtype: str
+    threads: int
+
+    def apply_threads(self) -> None:
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    if args.threads < 0:
+        raise ValueError(f"--threads {args.threads} must be >= 0")
+    return ModelConfig(path=args.model, device=args.device, dtype=args.dtype, threads=args.threads)
+
+
 def resolve_device(name: str):
     import torch
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.common.config import ServerConfig, add_model_args, add_server_args, server_config
+from services.common.config import (
+    ModelConfig,
+    ServerConfig,
+    add_model_args,
+    add_server_args,
+    model_config,
+    server_config,
+)
 
 DEFAULT_PORT = 50053
 
@@ -13,10 +20,7 @@ DEFAULT_PORT = 50053
 @dataclass(frozen=True)
 class LlmConfig:
     server: ServerConfig
-    model: str
-    device: str
-    dtype: str
-    threads: int
+    model: ModelConfig
     engine: str
     max_batch: int
     default_max_tokens: int
@@ -64,10 +68,7 @@ def parse(argv: list[str] | None = None) -> LlmConfig:
     args = build_parser().parse_args(argv)
     cfg = LlmConfig(
         server=server_config(args),
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        threads=args.threads,
+        model=model_config(args),
         engine=args.llm_engine,
         max_batch=args.max_llm_batch,
         default_max_tokens=args.default_max_tokens,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from services.common.config import resolve_device
 from services.common.server import run_service, serve_until_signal, start_server
 from services.llm import config as llm_config
@@ -20,11 +18,10 @@ log = logging.getLogger("llm")
 
 
 async def serve(cfg: llm_config.LlmConfig) -> None:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    spec = load_spec(cfg.model)
-    device = resolve_device(cfg.device)
-    runner = ModelRunner(spec, device, resolve_dtype(cfg.dtype, device), cfg.max_batch)
+    cfg.model.apply_threads()
+    spec = load_spec(cfg.model.path)
+    device = resolve_device(cfg.model.device)
+    runner = ModelRunner(spec, device, resolve_dtype(cfg.model.dtype, device), cfg.max_batch)
     engine = Engine(runner, cfg.max_batch)
     engine.start()
     servicer = LlmServicer(engine, PromptBuilder(spec), cfg.default_max_tokens, cfg.vision_target)

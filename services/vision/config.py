@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.common.config import ServerConfig, add_model_args, add_server_args, server_config
+from services.common.config import (
+    ModelConfig,
+    ServerConfig,
+    add_model_args,
+    add_server_args,
+    model_config,
+    server_config,
+)
 
 DEFAULT_PORT = 50052
 
@@ -13,10 +20,7 @@ DEFAULT_PORT = 50052
 @dataclass(frozen=True)
 class VisionConfig:
     server: ServerConfig
-    model: str
-    device: str
-    dtype: str
-    threads: int
+    model: ModelConfig
     engine: str
     max_batch: int
     arena_slots: int
@@ -75,10 +79,7 @@ def parse(argv: list[str] | None = None) -> VisionConfig:
     args = build_parser().parse_args(argv)
     cfg = VisionConfig(
         server=server_config(args),
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        threads=args.threads,
+        model=model_config(args),
         engine=args.vision_engine,
         max_batch=args.max_vision_batch,
         arena_slots=args.arena_slots,

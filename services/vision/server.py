@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import torch
-
 from services.common.server import run_service, serve_until_signal, start_server
 from services.model.spec import load_spec
 from services.vision import config as vision_config
@@ -26,10 +24,9 @@ async def _reap_forever(exporter: FeatureExporter, period_s: float) -> None:
 
 
 async def serve(cfg: vision_config.VisionConfig) -> None:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    spec = load_spec(cfg.model)
-    encoder = VisionEncoder(spec, cfg.device, cfg.dtype)
+    cfg.model.apply_threads()
+    spec = load_spec(cfg.model.path)
+    encoder = VisionEncoder(spec, cfg.model.device, cfg.model.dtype)
     exporter = FeatureExporter(
         encoder.feature_bytes, cfg.arena_slots, cfg.lease_ttl_s, encoder.device, cfg.ready_signal
     )
