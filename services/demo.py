@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompt in PROMPTS:
             truth = picture.answer(args.prompt)
     opts = MeshOptions(
+        metrics_ports=(0, 0, 0),
         model=str(model),
         gateway_port=0,
         vision_port=0,

@@ -45,6 +45,8 @@ class MeshOptions:
     gateway_port: int = 50051
     vision_port: int = 50052
     llm_port: int = 50053
+    # Prometheus /metrics ports: 0 picks free ones, -1 turns them off.
+    metrics_ports: tuple[int, int, int] = (9464, 9465, 9466)
     vision_engine: str = "torch"
     llm_engine: str = "native"
     max_vision_batch: int = 4
@@ -78,6 +80,10 @@ class Mesh:
             "vision": o.vision_port or free_port(o.host),
             "llm": o.llm_port or free_port(o.host),
         }
+        self.metrics_ports = {
+            name: (port or free_port(o.host)) if port >= 0 else -1
+            for name, port in zip(("gateway", "vision", "llm"), o.metrics_ports, strict=True)
+        }
 
     def target(self, name: str) -> str:
         return f"{self.opts.host}:{self.ports[name]}"
@@ -92,6 +98,8 @@ class Mesh:
             o.host,
             "--port",
             str(self.ports[name]),
+            "--metrics-port",
+            str(self.metrics_ports[name]),
             "--log-level",
             o.log_level,
             *args,
@@ -266,6 +274,11 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
         default=10,
         help="warm-up requests before serving (default %(default)s)",
     )
+    p.add_argument(
+        "--metrics-ports",
+        default="9464,9465,9466",
+        help="Prometheus /metrics ports of gateway,vision,llm; 0 = free, -1 = off (default %(default)s)",
+    )
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
@@ -285,6 +298,7 @@ def options_from_args(args: argparse.Namespace) -> MeshOptions:
         threads=args.threads,
         warmup_images=args.warmup_images,
         warmup_requests=args.warmup_requests,
+        metrics_ports=tuple(int(x) for x in args.metrics_ports.split(",")),
         log_level=args.log_level,
     )
 

@@ -69,6 +69,7 @@ def mesh_options(model, **overrides) -> MeshOptions:
         "llm_port": 0,
         "device": "cpu",
         "threads": 1,
+        "metrics_ports": (0, 0, 0),
         "warmup_requests": 1,
         "log_level": "warning",
         "extra_env": {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},

@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
         mesh = Mesh(
             MeshOptions(
+                metrics_ports=(0, 0, 0),
                 model=args.model,
                 gateway_port=0,
                 vision_port=0,

@@ -15,15 +15,18 @@ class ServerConfig:
     port: int
     log_level: str
     grace_s: float
+    metrics_port: int
 
     def check(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a TCP port (0 picks a free one)")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port {self.metrics_port}: a TCP port, 0 for a free one, -1 for none")
         if self.grace_s < 0:
             raise ValueError(f"--grace-s {self.grace_s} must be >= 0")
 
 
-def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+def add_server_args(parser: argparse.ArgumentParser, default_port: int, default_metrics_port: int) -> None:
     g = parser.add_argument_group("server")
     g.add_argument(
         "--host",
@@ -33,6 +36,12 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--port", type=int, default=default_port, help="TCP port; 0 picks a free one (default %(default)s)")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity (default %(default)s)")
     g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=default_metrics_port,
+        help="Prometheus /metrics port; 0 picks a free one, -1 turns it off (default %(default)s)",
+    )
+    g.add_argument(
         "--grace-s",
         type=float,
         default=30.0,
@@ -41,7 +50,9 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(host=args.host, port=args.port, log_level=args.log_level, grace_s=args.grace_s)
+    return ServerConfig(
+        host=args.host, port=args.port, log_level=args.log_level, grace_s=args.grace_s, metrics_port=args.metrics_port
+    )
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -100,6 +100,17 @@ async def _abort(context: grpc.aio.ServicerContext, err: BaseException, method: 
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(err).__name__}: {err}")
 
 
+def _count(fn, code: str) -> None:
+    from services.common.metrics import REQUESTS
+
+    cls, _, method = fn.__qualname__.partition(".")
+    REQUESTS.labels(cls.removesuffix("Servicer").lower(), method, code).inc()
+
+
+def _code(err: BaseException) -> str:
+    return err.code.name if isinstance(err, MeshError) else "INTERNAL"
+
+
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
@@ -110,12 +121,18 @@ def unary(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]):
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         try:
-            return await fn(self, request, context)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+            out = await fn(self, request, context)
+        except asyncio.CancelledError:
+            _count(fn, "CANCELLED")
+            raise
+        except grpc.aio.AbortError:
             raise
         except Exception as err:
+            _count(fn, _code(err))
             await _abort(context, err, fn.__qualname__)
             raise  # unreachable: abort raises
+        _count(fn, "OK")
+        return out
 
     return wrapper
 
@@ -131,9 +148,15 @@ def stream(fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp
             async with contextlib.aclosing(fn(self, request, context)) as items:
                 async for item in items:
                     yield item
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+        except (asyncio.CancelledError, GeneratorExit):
+            _count(fn, "CANCELLED")
+            raise
+        except grpc.aio.AbortError:
             raise
         except Exception as err:
+            _count(fn, _code(err))
             await _abort(context, err, fn.__qualname__)
+            return
+        _count(fn, "OK")
 
     return wrapper

@@ -13,8 +13,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import telemetry
 from services.common.errors import MeshError
 from services.common.logs import setup_logging
+from services.common.metrics import start_metrics_server
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ async def start_server(
 
     `port` 0 picks a free port; the bound one is returned.
     """
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=telemetry.server_interceptors())
     for add in register:
         add(server)
     health_servicer = health.aio.HealthServicer()
@@ -115,8 +117,13 @@ def run_service(
         return 2
     setup_logging(cfg.server.log_level, name)  # type: ignore[attr-defined]
     try:
+        telemetry.setup_tracing(name)
+        if cfg.server.metrics_port >= 0:  # type: ignore[attr-defined]
+            start_metrics_server(cfg.server.metrics_port, cfg.server.host)  # type: ignore[attr-defined]
         asyncio.run(serve(cfg))
-    except MeshError as err:
-        logging.getLogger(name).error("cannot start: %s", err.message)
+    except (MeshError, OSError, ValueError) as err:
+        logging.getLogger(name).error("cannot start: %s", getattr(err, "message", err))
         return 2
+    finally:
+        telemetry.shutdown_tracing()
     return 0

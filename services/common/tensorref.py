@@ -8,12 +8,12 @@ none is silent.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 
 import torch
 
 from services.common.arena import ArenaView
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.metrics import HANDOFF_BYTES, HANDOFF_FALLBACKS, HANDOFFS
 from services.common.shm_arena import read_host
 from vlmesh.v1 import common_pb2 as pb
 
@@ -25,10 +25,6 @@ TORCH_TO_PB = {
     torch.bfloat16: pb.DTYPE_BFLOAT16,
 }
 PB_TO_TORCH = {v: k for k, v in TORCH_TO_PB.items()}
-
-# Process-wide hand-off counters (references and bytes by transport, fallbacks by reason).
-HANDOFF_COUNTS: Counter[str] = Counter()
-HANDOFF_BYTES: Counter[str] = Counter()
 
 
 def transport_name(transport: int) -> str:
@@ -61,7 +57,7 @@ def choose_transport(producer_host: str, producer_gpu: str, offered: tuple[int, 
                     transport_name(transport),
                     why,
                 )
-                HANDOFF_COUNTS[f"fallback_to_{transport_name(transport)}"] += 1
+                HANDOFF_FALLBACKS.labels(transport_name(transport)).inc()
             return transport
     raise InvalidArgument(
         f"no common transport: consumer on {consumer.host_id!r} accepts {[transport_name(t) for t in accept]}, "
@@ -137,8 +133,8 @@ class FeatureImporter:
                 raise
         else:
             raise FailedPrecondition(f"transport {name} is not available in this process")
-        HANDOFF_COUNTS[name] += 1
-        HANDOFF_BYTES[name] += nbytes
+        HANDOFFS.labels(name).inc()
+        HANDOFF_BYTES.labels(name).inc(nbytes)
         return out
 
     def _forget(self, name: str) -> None:

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The public API (vlmesh.v1.Gateway): validates requests and the qos-level, calls "
         "vision.Encode, then streams llm.Generate back to the client.",
     )
-    add_server_args(p, DEFAULT_PORT)
+    add_server_args(p, DEFAULT_PORT, 9464)
     g = p.add_argument_group("gateway")
     g.add_argument("--vision-target", default="127.0.0.1:50052", help="vision service HOST:PORT (default %(default)s)")
     g.add_argument("--llm-target", default="127.0.0.1:50053", help="llm service HOST:PORT (default %(default)s)")

@@ -13,7 +13,7 @@ import uuid
 
 import grpc
 
-from services.common import errors
+from services.common import errors, metrics, telemetry
 from services.common.errors import InvalidArgument, Unavailable, from_rpc_error
 from services.common.qos import qos_from_metadata, qos_metadata
 from services.common.sampling import check_sampling
@@ -29,8 +29,13 @@ MAX_REQUEST_ID_CHARS = 128
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, vision_target: str, llm_target: str, max_images: int) -> None:
-        self.vision = vision_pb2_grpc.VisionStub(grpc.aio.insecure_channel(vision_target, options=GRPC_OPTIONS))
-        self.llm = llm_pb2_grpc.LlmStub(grpc.aio.insecure_channel(llm_target, options=GRPC_OPTIONS))
+        interceptors = telemetry.client_interceptors()  # W3C trace context into the metadata
+        self.vision = vision_pb2_grpc.VisionStub(
+            grpc.aio.insecure_channel(vision_target, options=GRPC_OPTIONS, interceptors=interceptors)
+        )
+        self.llm = llm_pb2_grpc.LlmStub(
+            grpc.aio.insecure_channel(llm_target, options=GRPC_OPTIONS, interceptors=interceptors)
+        )
         self.max_images = max_images
         self._llm_info: pb.ServiceInfo | None = None
         self._background: set[asyncio.Task] = set()
@@ -54,76 +59,102 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _run(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         """Yield GenerateResponse messages; the last one carries usage and timings."""
         received = time.perf_counter()
-        qos = qos_from_metadata(context.invocation_metadata())
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
-        request_id = request.request_id or uuid.uuid4().hex
-        check_images(request.images, self.max_images)
-        check_prompt(request.prompt)
-        info = await self.llm_info()
-        if request.model and request.model != info.model_id:
-            raise InvalidArgument(f"model {request.model!r} is not served here; this mesh serves {info.model_id!r}")
-        check_sampling(request.sampling, info.max_context)
+        with telemetry.span("gateway.admission"):
+            qos = qos_from_metadata(context.invocation_metadata())
+            if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+                raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+            request_id = request.request_id or uuid.uuid4().hex
+            telemetry.annotate({"request.id": request_id, "qos.level": qos.wire, "tenant.id": "anonymous"})
+            check_images(request.images, self.max_images)
+            check_prompt(request.prompt)
+            info = await self.llm_info()
+            if request.model and request.model != info.model_id:
+                raise InvalidArgument(f"model {request.model!r} is not served here; this mesh serves {info.model_id!r}")
+            sampling = check_sampling(request.sampling, info.max_context)
+        telemetry.annotate(
+            {
+                "model.id": info.model_id,
+                "model.variant": "default",
+                "gen_ai.request.model": info.model_id,
+                "gen_ai.request.max_tokens": sampling.max_tokens,
+                "gen_ai.request.temperature": sampling.temperature,
+            }
+        )
         metadata = qos_metadata(qos)
-
-        def remaining() -> float | None:
-            return context.time_remaining()
-
         admitted = time.perf_counter()
         consumer = pb.ConsumerInfo(host_id=info.host_id, gpu_uuid=info.gpu_uuid, accept=info.transports)
-        try:
-            encoded = await self.vision.Encode(
-                vision_pb2.EncodeRequest(request_id=request_id, images=request.images, consumer=consumer),
+        with telemetry.span("gateway.vision"):
+            try:
+                encoded = await self.vision.Encode(
+                    vision_pb2.EncodeRequest(request_id=request_id, images=request.images, consumer=consumer),
+                    metadata=metadata,
+                    timeout=context.time_remaining(),
+                )
+            except grpc.RpcError as err:
+                raise from_rpc_error(err, "vision") from err
+        with telemetry.span("gateway.llm"):
+            call = self.llm.Generate(
+                llm_pb2.LlmGenerateRequest(
+                    request_id=request_id,
+                    prompt=request.prompt,
+                    image_features=encoded.features,
+                    sampling=request.sampling,
+                ),
                 metadata=metadata,
-                timeout=remaining(),
+                timeout=context.time_remaining(),
             )
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, "vision") from err
+            first_token_at = None
+            started = False
+            try:
+                async for msg in call:
+                    started = True
+                    if first_token_at is None and msg.token_ids:
+                        first_token_at = time.perf_counter()
+                    out = gateway_pb2.GenerateResponse(request_id=request_id, text=msg.text, token_ids=msg.token_ids)
+                    if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        self._finish(out, msg, encoded.timings, qos, received, admitted, first_token_at)
+                    yield out
+            except grpc.RpcError as err:
+                if not started:
+                    await self._release(encoded.features)
+                raise from_rpc_error(err, "llm") from err
+            except asyncio.CancelledError:
+                call.cancel()
+                if not started:  # the llm may never have read them; don't wait for the TTL
+                    task = asyncio.get_running_loop().create_task(self._release(encoded.features))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+                raise
 
-        call = self.llm.Generate(
-            llm_pb2.LlmGenerateRequest(
-                request_id=request_id,
-                prompt=request.prompt,
-                image_features=encoded.features,
-                sampling=request.sampling,
-            ),
-            metadata=metadata,
-            timeout=remaining(),
+    @staticmethod
+    def _finish(out, msg, vision_timings, qos, received: float, admitted: float, first_token_at: float | None) -> None:
+        """Fill the final message (usage, merged stage timings) and record the request's metrics."""
+        done = time.perf_counter()
+        t = out.timings
+        t.MergeFrom(vision_timings)
+        t.llm_queue_ms = msg.timings.llm_queue_ms
+        t.prefill_ms = msg.timings.prefill_ms
+        t.decode_ms = msg.timings.decode_ms
+        t.handoff_ms += msg.timings.handoff_ms
+        t.admission_ms = (admitted - received) * 1000
+        t.ttft_ms = ((first_token_at or done) - received) * 1000
+        t.total_ms = (done - received) * 1000
+        out.finish_reason = msg.finish_reason
+        out.usage.CopyFrom(msg.usage)
+        n = msg.usage.output_tokens
+        level = qos.wire
+        metrics.REQUEST_DURATION.labels(level).observe(done - received)
+        metrics.TTFT.labels(level).observe(t.ttft_ms / 1000)
+        if n > 1 and first_token_at is not None:
+            metrics.TPOT.labels(level).observe((done - first_token_at) / (n - 1))
+        metrics.OUTPUT_TOKENS.labels(level).inc(n)
+        telemetry.annotate(
+            {
+                "gen_ai.usage.input_tokens": msg.usage.prompt_tokens + msg.usage.image_tokens,
+                "gen_ai.usage.output_tokens": n,
+                "gen_ai.response.finish_reasons": [pb.FinishReason.Name(msg.finish_reason)],
+            }
         )
-        first_token_at = None
-        started = False
-        try:
-            async for msg in call:
-                started = True
-                if first_token_at is None and msg.token_ids:
-                    first_token_at = time.perf_counter()
-                out = gateway_pb2.GenerateResponse(request_id=request_id, text=msg.text, token_ids=msg.token_ids)
-                if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    done = time.perf_counter()
-                    timings = pb.StageTimings()
-                    timings.MergeFrom(encoded.timings)
-                    timings.llm_queue_ms = msg.timings.llm_queue_ms
-                    timings.prefill_ms = msg.timings.prefill_ms
-                    timings.decode_ms = msg.timings.decode_ms
-                    timings.handoff_ms += msg.timings.handoff_ms
-                    timings.admission_ms = (admitted - received) * 1000
-                    timings.ttft_ms = ((first_token_at or done) - received) * 1000
-                    timings.total_ms = (done - received) * 1000
-                    out.finish_reason = msg.finish_reason
-                    out.usage.CopyFrom(msg.usage)
-                    out.timings.CopyFrom(timings)
-                yield out
-        except grpc.RpcError as err:
-            if not started:
-                await self._release(encoded.features)
-            raise from_rpc_error(err, "llm") from err
-        except asyncio.CancelledError:
-            call.cancel()
-            if not started:  # the llm may never have read them; don't wait for the TTL
-                task = asyncio.get_running_loop().create_task(self._release(encoded.features))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-            raise
 
     async def _release(self, refs) -> None:
         """The llm never read these features: hand the slots back instead of waiting for the TTL."""

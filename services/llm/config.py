@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The llm decoder: applies the chat template, reads image features through their "
         "TensorRefs, and streams tokens with continuous batching in QoS order.",
     )
-    add_server_args(p, DEFAULT_PORT)
+    add_server_args(p, DEFAULT_PORT, 9466)
     add_model_args(p)
     g = p.add_argument_group("llm")
     g.add_argument("--llm-engine", default="native", help="decoder engine (default %(default)s)")

@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 
+from services.common.metrics import BATCH_SIZE, KV_SLOTS
 from services.llm.request import Finish, Output, Request
 from services.llm.runner import ModelRunner
 from services.llm.scheduler import Scheduler
@@ -28,6 +29,9 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self.eos = set(runner.spec.text.eos_token_ids)
         self.steps = 0
+        slots = self.scheduler.slots
+        KV_SLOTS.labels("used").set_function(lambda: slots.n - slots.free)
+        KV_SLOTS.labels("free").set_function(lambda: slots.free)
 
     # ---- called from any thread ----
     def start(self) -> None:
@@ -100,6 +104,7 @@ class Engine:
             self._postprocess([req], self.runner.sample([req], logits))
         decode = [r for r in plan.decode if r.slot >= 0]
         if decode:
+            BATCH_SIZE.labels("llm").observe(len(decode))
             logits = self.runner.decode(decode)
             self._postprocess(decode, self.runner.sample(decode, logits))
 

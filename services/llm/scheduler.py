@@ -11,6 +11,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from services.common.metrics import QUEUE_DEPTH
 from services.llm.request import Request
 
 
@@ -51,6 +52,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         heapq.heappush(self._waiting, (req.sort_key(), next(self._seq), req))
+        QUEUE_DEPTH.labels("llm", req.qos.wire).inc()
 
     @property
     def waiting(self) -> int:
@@ -60,6 +62,7 @@ class Scheduler:
         plan = Plan(decode=list(self.running))
         while self._waiting and self.slots.free:
             _, _, req = heapq.heappop(self._waiting)
+            QUEUE_DEPTH.labels("llm", req.qos.wire).dec()
             if req.aborted:
                 continue
             req.slot = self.slots.take()
@@ -78,6 +81,7 @@ class Scheduler:
         for i, (_, _, req) in enumerate(self._waiting):
             if req.id == request_id:
                 self._waiting.pop(i)
+                QUEUE_DEPTH.labels("llm", req.qos.wire).dec()
                 heapq.heapify(self._waiting)
                 return req
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from services.common.config import resolve_device
+from services.common.metrics import watch_gpu_memory
 from services.common.server import run_service, serve_until_signal, start_server
 from services.llm import config as llm_config
 from services.llm.engine import Engine
@@ -21,6 +22,7 @@ async def serve(cfg: llm_config.LlmConfig) -> None:
     cfg.model.apply_threads()
     spec = load_spec(cfg.model.path)
     device = resolve_device(cfg.model.device)
+    watch_gpu_memory("llm", device)
     runner = ModelRunner(spec, device, resolve_dtype(cfg.model.dtype, device), cfg.max_batch)
     engine = Engine(runner, cfg.max_batch)
     engine.start()

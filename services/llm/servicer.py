@@ -14,12 +14,12 @@ import time
 
 import grpc
 
-from services.common import errors
+from services.common import errors, metrics, telemetry
 from services.common.errors import InvalidArgument, MeshError, Unavailable
 from services.common.hostinfo import host_id
 from services.common.qos import qos_from_metadata
 from services.common.sampling import check_sampling
-from services.common.tensorref import FeatureImporter
+from services.common.tensorref import FeatureImporter, transport_name
 from services.common.validation import check_prompt
 from services.llm.engine import Engine
 from services.llm.request import Finish, Output, Request
@@ -46,7 +46,10 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             from services.common.cuda_arena import gpu_uuid
 
             self.gpu_uuid = gpu_uuid(engine.runner.device)
-        self._vision = vision_pb2_grpc.VisionStub(grpc.aio.insecure_channel(vision_target)) if vision_target else None
+        self._vision = None
+        if vision_target:
+            channel = grpc.aio.insecure_channel(vision_target, interceptors=telemetry.client_interceptors())
+            self._vision = vision_pb2_grpc.VisionStub(channel)
         self._background: set[asyncio.Task] = set()
 
     def _import_features(self, refs) -> list:
@@ -80,13 +83,23 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
     @errors.stream
     async def Generate(self, request: llm_pb2.LlmGenerateRequest, context: grpc.aio.ServicerContext):
         qos = qos_from_metadata(context.invocation_metadata())
+        telemetry.annotate(
+            {
+                "request.id": request.request_id,
+                "qos.level": qos.wire,
+                "model.id": self.spec.model_id,
+                "model.variant": "default",
+            }
+        )
         check_prompt(request.prompt)
         sampling = check_sampling(request.sampling, self.spec.text.max_context)
         if not request.image_features:
             raise InvalidArgument("image_features: one image is required")
         t0 = time.perf_counter()
+        kinds = sorted({transport_name(r.transport) for r in request.image_features})
         try:
-            features = self._import_features(request.image_features)
+            with telemetry.span("handoff.import", {"transport": ",".join(kinds)}):
+                features = self._import_features(request.image_features)
         except BaseException:
             await self._release(request.image_features)  # answered only once the slots are back
             raise
@@ -114,6 +127,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             raise MeshError(out.error or "the engine failed this request")
         if out.finish is Finish.ABORT:
             raise Unavailable(out.error or "the request was aborted")
+        self._record(req)
         timings = pb.StageTimings(
             handoff_ms=handoff_ms,
             llm_queue_ms=(req.scheduled_at - req.arrival) * 1000,
@@ -130,6 +144,24 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             usage=usage,
             timings=timings,
         )
+
+    @staticmethod
+    def _record(req: Request) -> None:
+        """The engine's stages of a finished request, as spans and metrics."""
+        telemetry.record_span("llm.queue", req.arrival, req.scheduled_at)
+        telemetry.record_span(
+            "llm.prefill", req.scheduled_at, req.prefill_done_at, {"gen_ai.usage.input_tokens": req.prompt_len}
+        )
+        telemetry.record_span(
+            "llm.decode",
+            req.prefill_done_at,
+            req.finished_at,
+            {"gen_ai.usage.output_tokens": len(req.output_ids)},
+            events=[("first_token", req.prefill_done_at)],
+        )
+        metrics.QUEUE_WAIT.labels("llm", req.qos.wire).observe(req.scheduled_at - req.arrival)
+        metrics.STAGE_DURATION.labels("prefill").observe(req.prefill_done_at - req.scheduled_at)
+        metrics.STAGE_DURATION.labels("decode").observe(req.finished_at - req.prefill_done_at)
 
     @errors.unary
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext):

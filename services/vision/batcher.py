@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.common import metrics, telemetry
 from services.common.qos import QosLevel
 from services.vision.encoder import VisionEncoder
 
@@ -27,6 +28,7 @@ class _Item:
     pixels: torch.Tensor = field(compare=False)
     future: asyncio.Future = field(compare=False)
     enqueued: float = field(compare=False)
+    trace: object = field(compare=False)  # the requester's span context (None when tracing is off)
 
 
 @dataclass
@@ -65,9 +67,19 @@ class VisionBatcher:
 
     async def submit(self, pixels: torch.Tensor, qos: QosLevel) -> EncodeResult:
         future = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, _Item(int(qos), next(self._seq), pixels, future, time.perf_counter()))
+        item = _Item(int(qos), next(self._seq), pixels, future, time.perf_counter(), telemetry.current_context())
+        heapq.heappush(self._heap, item)
+        metrics.QUEUE_DEPTH.labels("vision", qos.wire).inc()
         self._wake.set()
-        return await future
+        result = await future
+        telemetry.record_span("vision.queue", item.enqueued, item.enqueued + result.queue_ms / 1000)
+        telemetry.record_span(
+            "vision.encode",
+            item.enqueued + result.queue_ms / 1000,
+            item.enqueued + (result.queue_ms + result.encode_ms) / 1000,
+            {"batch.size": result.batch_size, "cache.hit": False},
+        )
+        return result
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -78,8 +90,11 @@ class VisionBatcher:
                 batch: list[_Item] = []
                 while self._heap and len(batch) < self.max_batch:
                     item = heapq.heappop(self._heap)
+                    level = QosLevel(item.qos).wire
+                    metrics.QUEUE_DEPTH.labels("vision", level).dec()
                     if not item.future.cancelled():  # the caller went away while waiting
                         batch.append(item)
+                        metrics.QUEUE_WAIT.labels("vision", level).observe(time.perf_counter() - item.enqueued)
                 if not batch:
                     continue
                 start = time.perf_counter()
@@ -91,7 +106,12 @@ class VisionBatcher:
                         if not item.future.done():
                             item.future.set_exception(err)
                     continue
-                encode_ms = (time.perf_counter() - start) * 1000
+                end = time.perf_counter()
+                encode_ms = (end - start) * 1000
+                metrics.BATCH_SIZE.labels("vision").observe(len(batch))
+                metrics.STAGE_DURATION.labels("vision").observe(end - start)
+                with telemetry.linked([item.trace for item in batch]) as links:  # one batch, many requests
+                    telemetry.record_span("vision.batch", start, end, {"batch.size": len(batch)}, links=links)
                 for i, item in enumerate(batch):
                     if not item.future.done():
                         item.future.set_result(

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The vision encoder: decodes and preprocesses images, runs the ViT and projector in "
         "batches, and leases the features to the llm through a shared-memory arena.",
     )
-    add_server_args(p, DEFAULT_PORT)
+    add_server_args(p, DEFAULT_PORT, 9465)
     add_model_args(p)
     g = p.add_argument_group("vision")
     g.add_argument("--vision-engine", default="torch", help="encoder implementation (default %(default)s)")

@@ -12,6 +12,7 @@ import torch
 
 from services.common.hostinfo import host_id
 from services.common.leases import Lease
+from services.common.metrics import ARENA_SLOTS
 from services.common.shm_arena import ShmArena
 from services.common.tensorref import TORCH_TO_PB, choose_transport, inline_ref
 from vlmesh.v1 import common_pb2 as pb
@@ -29,6 +30,10 @@ class FeatureExporter:
             self.cuda = CudaArena(slot_bytes, n_slots, ttl_s, device, ready)
             self.gpu_uuid = self.cuda.gpu_uuid
         self.arenas = [a for a in (self.cuda, self.shm) if a is not None]
+        for arena in self.arenas:
+            kind = "cuda" if arena is self.cuda else "shm"
+            ARENA_SLOTS.labels(kind, "leased").set_function(lambda a=arena: a.leases.leased)
+            ARENA_SLOTS.labels(kind, "total").set(arena.n_slots)
 
     @property
     def offered(self) -> tuple[int, ...]:

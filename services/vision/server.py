@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.common.metrics import watch_gpu_memory
 from services.common.server import run_service, serve_until_signal, start_server
 from services.model.spec import load_spec
 from services.vision import config as vision_config
@@ -27,6 +28,7 @@ async def serve(cfg: vision_config.VisionConfig) -> None:
     cfg.model.apply_threads()
     spec = load_spec(cfg.model.path)
     encoder = VisionEncoder(spec, cfg.model.device, cfg.model.dtype)
+    watch_gpu_memory("vision", encoder.device)
     exporter = FeatureExporter(
         encoder.feature_bytes, cfg.arena_slots, cfg.lease_ttl_s, encoder.device, cfg.ready_signal
     )

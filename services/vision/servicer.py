@@ -9,8 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from services.common import errors
+from services.common import errors, metrics, telemetry
 from services.common.qos import qos_from_metadata
+from services.common.tensorref import transport_name
 from services.common.validation import check_images
 from services.vision.batcher import VisionBatcher
 from services.vision.encoder import VisionEncoder
@@ -31,17 +32,28 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
     @errors.unary
     async def Encode(self, request: vision_pb2.EncodeRequest, context: grpc.aio.ServicerContext):
         qos = qos_from_metadata(context.invocation_metadata())
+        telemetry.annotate(
+            {
+                "request.id": request.request_id,
+                "qos.level": qos.wire,
+                "model.id": self.encoder.spec.model_id,
+                "model.variant": "default",
+            }
+        )
         check_images(request.images)
         transport = self.exporter.transport_for(request.consumer)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        pixels = await asyncio.gather(
-            *(loop.run_in_executor(self._preprocess, self.encoder.pixels, image.data) for image in request.images)
-        )
+        with telemetry.span("vision.preprocess", {"images": len(request.images)}):
+            pixels = await asyncio.gather(
+                *(loop.run_in_executor(self._preprocess, self.encoder.pixels, image.data) for image in request.images)
+            )
         preprocess_ms = (time.perf_counter() - t0) * 1000
+        metrics.STAGE_DURATION.labels("preprocess").observe(preprocess_ms / 1000)
         results = await asyncio.gather(*(self.batcher.submit(p, qos) for p in pixels))
         t1 = time.perf_counter()
-        refs = self.exporter.export([r.features for r in results], transport)
+        with telemetry.span("handoff.export", {"transport": transport_name(transport)}):
+            refs = self.exporter.export([r.features for r in results], transport)
         handoff_ms = (time.perf_counter() - t1) * 1000
         timings = pb.StageTimings(
             preprocess_ms=preprocess_ms,

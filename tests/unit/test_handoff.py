@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.common.tensorref import HANDOFF_COUNTS, FeatureImporter, choose_transport
+from services.common.tensorref import FeatureImporter, choose_transport
 from services.vision.exporter import FeatureExporter
 from vlmesh.v1 import common_pb2 as pb
 
@@ -30,10 +31,13 @@ def test_negotiation(consumer, offered, producer_gpu, expected):
 
 
 def test_fallbacks_are_counted_and_logged(caplog):
-    before = HANDOFF_COUNTS["fallback_to_TRANSPORT_INLINE"]
+    def count() -> float:
+        return REGISTRY.get_sample_value("vlmesh_handoff_fallbacks_total", {"to": "TRANSPORT_INLINE"}) or 0.0
+
+    before = count()
     consumer = pb.ConsumerInfo(host_id="elsewhere", accept=[SHM, INLINE])
     assert choose_transport("h", "", (SHM,), consumer) == INLINE
-    assert HANDOFF_COUNTS["fallback_to_TRANSPORT_INLINE"] == before + 1
+    assert count() == before + 1
     assert "falls back" in caplog.text
 
 

@@ -1,0 +1,78 @@
+"""Prometheus metrics of the three services (one definition, each process exports its own).
+
+Names and units follow Prometheus conventions (base units, `_total` counters, `_seconds`
+and `_bytes` suffixes) and are listed in docs/OBSERVABILITY.md. `start_metrics_server`
+serves them on `/metrics` at the port given by `--metrics-port`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+# Latency buckets from 1 ms to 60 s; per-token buckets from 0.1 ms to 1 s.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+REQUESTS = Counter("vlmesh_requests_total", "RPCs answered, by final gRPC status code", ["service", "method", "code"])
+REQUEST_DURATION = Histogram(
+    "vlmesh_request_duration_seconds", "End-to-end latency at the gateway", ["qos_level"], buckets=LATENCY_BUCKETS
+)
+TTFT = Histogram(
+    "vlmesh_time_to_first_token_seconds",
+    "Request received to first token sent (gateway)",
+    ["qos_level"],
+    buckets=LATENCY_BUCKETS,
+)
+TPOT = Histogram(
+    "vlmesh_time_per_output_token_seconds",
+    "Mean time between output tokens of a request (gateway)",
+    ["qos_level"],
+    buckets=TOKEN_BUCKETS,
+)
+OUTPUT_TOKENS = Counter("vlmesh_output_tokens_total", "Tokens generated", ["qos_level"])
+QUEUE_DEPTH = Gauge("vlmesh_queue_depth", "Requests waiting", ["service", "qos_level"])
+QUEUE_WAIT = Histogram(
+    "vlmesh_queue_wait_seconds", "Time from enqueue to start of work", ["service", "qos_level"], buckets=LATENCY_BUCKETS
+)
+STAGE_DURATION = Histogram(
+    "vlmesh_stage_duration_seconds", "Time spent in one stage of a request", ["stage"], buckets=LATENCY_BUCKETS
+)
+BATCH_SIZE = Histogram(
+    "vlmesh_batch_size",
+    "Requests per batch (vision forward, llm decode step)",
+    ["service"],
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+)
+CACHE_LOOKUPS = Counter("vlmesh_feature_cache_lookups_total", "Feature cache lookups", ["result"])
+HANDOFFS = Counter("vlmesh_handoffs_total", "Feature tensors handed over, by transport", ["transport"])
+HANDOFF_BYTES = Counter("vlmesh_handoff_bytes_total", "Bytes of features handed over, by transport", ["transport"])
+HANDOFF_FALLBACKS = Counter(
+    "vlmesh_handoff_fallbacks_total", "Hand-offs that fell back from the consumer's preferred transport", ["to"]
+)
+ARENA_SLOTS = Gauge("vlmesh_arena_slots", "Feature arena slots", ["arena", "state"])
+KV_SLOTS = Gauge("vlmesh_kv_slots", "KV cache slots of the llm engine", ["state"])
+GPU_MEMORY = Gauge(
+    "vlmesh_gpu_memory_bytes", "GPU memory held by this process's PyTorch allocator", ["service", "kind"]
+)
+
+
+def start_metrics_server(port: int, host: str) -> int | None:
+    """Serve /metrics on `port` (0: a free port); return the port."""
+    server, _thread = start_http_server(port, addr=host)
+    bound = server.server_address[1]
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+    return bound
+
+
+def watch_gpu_memory(service: str, device) -> None:
+    """Report the allocator's memory on each scrape (no cost between scrapes)."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return
+    import torch
+
+    GPU_MEMORY.labels(service, "allocated").set_function(lambda: torch.cuda.memory_allocated(device))
+    GPU_MEMORY.labels(service, "reserved").set_function(lambda: torch.cuda.memory_reserved(device))
