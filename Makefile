@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 # torch would pull a CUDA build of several GB.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# The OTLP trace backend the tracing tests read spans back from, in its own venv.
+PHOENIX_VENV ?= .venv-phoenix
+PHOENIX_STAMP := $(PHOENIX_VENV)/.installed
+PHOENIX_SPEC ?= arize-phoenix==20.26.1
 
 .PHONY: demo test test-gpu bench bench-gpu venv protos lint help
 
@@ -31,9 +35,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/vlmesh demo
 
-test: $(STAMP)
+$(PHOENIX_STAMP):
+	@test -x $(PHOENIX_VENV)/bin/python || $(PYTHON) -m venv $(PHOENIX_VENV)
+	$(PHOENIX_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(PHOENIX_SPEC)"
+	@touch $@
+
+# REQUIRE_OBSERVABILITY=1: the tracing tests fail, not skip, when their backend is missing.
+test: $(STAMP) $(PHOENIX_STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q tests
+	REQUIRE_OBSERVABILITY=1 $(PY) -m pytest -q tests
 
 # On the GPU machine: its python already has torch with CUDA; missing wheels are carried.
 test-gpu:

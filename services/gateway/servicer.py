@@ -59,12 +59,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _run(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         """Yield GenerateResponse messages; the last one carries usage and timings."""
         received = time.perf_counter()
+        request_id = request.request_id[:MAX_REQUEST_ID_CHARS] or uuid.uuid4().hex
+        telemetry.annotate({"request.id": request_id, "tenant.id": "anonymous"})  # on the RPC's (root) span
+        qos = qos_from_metadata(context.invocation_metadata())
+        telemetry.annotate({"qos.level": qos.wire})
         with telemetry.span("gateway.admission"):
-            qos = qos_from_metadata(context.invocation_metadata())
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                 raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
-            request_id = request.request_id or uuid.uuid4().hex
-            telemetry.annotate({"request.id": request_id, "qos.level": qos.wire, "tenant.id": "anonymous"})
             check_images(request.images, self.max_images)
             check_prompt(request.prompt)
             info = await self.llm_info()

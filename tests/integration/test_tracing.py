@@ -1,0 +1,154 @@
+"""One trace per request across gateway, vision and llm, read back from a real OTLP backend.
+
+The backend is Arize Phoenix (OTLP gRPC and HTTP in, REST out), installed by `make test`
+into .venv-phoenix. Without it the test skips, unless REQUIRE_OBSERVABILITY=1 (as in CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.launcher import Mesh, free_port
+from tests.conftest import image_bytes, mesh_options
+from vlmesh.v1 import common_pb2 as pb
+from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+PHOENIX = Path(os.environ.get("PHOENIX_BIN", ROOT / ".venv-phoenix" / "bin" / "phoenix"))
+STAGE_SPANS = {
+    "gateway.admission",
+    "gateway.vision",
+    "gateway.llm",
+    "vision.preprocess",
+    "vision.queue",
+    "vision.encode",
+    "handoff.export",
+    "handoff.import",
+    "llm.queue",
+    "llm.prefill",
+    "llm.decode",
+}
+
+
+def get(url: str):
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.load(resp)
+
+
+@pytest.fixture(scope="module")
+def phoenix(tmp_path_factory):
+    if not PHOENIX.exists():
+        if os.environ.get("REQUIRE_OBSERVABILITY") == "1":
+            pytest.fail(f"Phoenix is required but {PHOENIX} is missing (make test installs it)")
+        pytest.skip(f"Phoenix not installed at {PHOENIX}")
+    http, grpc_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    env = {
+        **os.environ,
+        "PHOENIX_HOST": "127.0.0.1",
+        "PHOENIX_PORT": str(http),
+        "PHOENIX_GRPC_PORT": str(grpc_port),
+        "PHOENIX_WORKING_DIR": str(tmp_path_factory.mktemp("phoenix")),
+    }
+    log = open(tmp_path_factory.mktemp("phoenix-log") / "phoenix.log", "w")
+    proc = subprocess.Popen([str(PHOENIX), "serve"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            get(f"http://127.0.0.1:{http}/v1/projects")
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"Phoenix did not start: {Path(log.name).read_text()[-2000:]}")
+            time.sleep(0.5)
+    yield {
+        "rest": f"http://127.0.0.1:{http}",
+        "grpc": f"http://127.0.0.1:{grpc_port}",
+        "http": f"http://127.0.0.1:{http}",
+    }
+    proc.terminate()
+    proc.wait(30)
+    log.close()
+
+
+def spans(rest: str) -> list[dict]:
+    out, cursor = [], None
+    while True:
+        url = f"{rest}/v1/projects/default/spans?limit=1000" + (f"&cursor={cursor}" if cursor else "")
+        page = get(url)
+        out += page["data"]
+        cursor = page.get("next_cursor")
+        if not cursor:
+            return out
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_one_trace_per_request_across_three_services(phoenix, tiny_model, protocol):
+    endpoint = phoenix["grpc"] if protocol == "grpc" else phoenix["http"]
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "OMP_NUM_THREADS": "1",
+    }
+    ids = {f"{protocol}-req-{i}": level for i, level in enumerate(("realtime", "standard", "best-effort"))}
+    with Mesh(mesh_options(tiny_model, warmup_requests=0, extra_env=env)) as mesh:
+        mesh.start(progress=lambda m: None)
+        with grpc.insecure_channel(mesh.target("gateway")) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            for rid, level in ids.items():
+                req = gateway_pb2.GenerateRequest(
+                    request_id=rid,
+                    images=[pb.Image(data=image_bytes(2))],
+                    prompt="What is in the image?",
+                    sampling=pb.SamplingParams(max_tokens=4),
+                )
+                list(stub.Generate(req, metadata=(("qos-level", level),), timeout=30))
+        deadline = time.monotonic() + 30
+        while True:  # spans are exported in batches: wait until every request's trace is complete
+            everything = spans(phoenix["rest"])
+            traces = {}
+            for rid in ids:
+                tids = {s["context"]["trace_id"] for s in everything if s["attributes"].get("request.id") == rid}
+                traces[rid] = tids
+            complete = all(
+                len(t) == 1 and STAGE_SPANS <= {s["name"] for s in everything if s["context"]["trace_id"] in t}
+                for t in traces.values()
+            )
+            if complete or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    for rid, level in ids.items():
+        assert len(traces[rid]) == 1, f"{rid}: spans in {len(traces[rid])} traces"
+        (tid,) = traces[rid]
+        trace = [s for s in everything if s["context"]["trace_id"] == tid]
+        names = {s["name"] for s in trace}
+        assert STAGE_SPANS <= names, f"{rid}: missing {STAGE_SPANS - names}"
+        services = {s["attributes"].get("service.name") for s in trace}
+        assert {"vlmesh-gateway", "vlmesh-vision", "vlmesh-llm"} <= services
+        by_id = {s["context"]["span_id"]: s for s in trace}
+        roots = [s for s in trace if not s.get("parent_id")]
+        assert len(roots) == 1 and roots[0]["name"] == "/vlmesh.v1.Gateway/Generate"
+        assert all(s["parent_id"] in by_id for s in trace if s.get("parent_id")), "a span's parent is missing"
+        assert roots[0]["attributes"]["qos.level"] == level
+        # The server spans downstream carry the request's id and class too.
+        for name in ("/vlmesh.v1.Vision/Encode", "/vlmesh.v1.Llm/Generate"):
+            server = [s for s in trace if s["name"] == name and s["attributes"].get("service.name") != "vlmesh-gateway"]
+            assert server and server[0]["attributes"]["qos.level"] == level
+            assert server[0]["attributes"]["request.id"] == rid
+        # Stages nest under the right services: llm stages under the llm's server span.
+        llm_server = next(
+            s
+            for s in trace
+            if s["name"] == "/vlmesh.v1.Llm/Generate" and s["attributes"].get("service.name") == "vlmesh-llm"
+        )
+        for name in ("llm.queue", "llm.prefill", "llm.decode", "handoff.import"):
+            assert next(s for s in trace if s["name"] == name)["parent_id"] == llm_server["context"]["span_id"]
