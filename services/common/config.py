@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from services.common.logs import LOG_LEVELS
+from services.common.logs import LOG_FORMATS, LOG_LEVELS
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,7 @@ class ServerConfig:
     log_level: str
     grace_s: float
     metrics_port: int
+    log_format: str = "json"
 
     def check(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -36,6 +37,12 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int, default_
     g.add_argument("--port", type=int, default=default_port, help="TCP port; 0 picks a free one (default %(default)s)")
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity (default %(default)s)")
     g.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="json",
+        help="json lines with trace and request ids, or plain text (default %(default)s)",
+    )
+    g.add_argument(
         "--metrics-port",
         type=int,
         default=default_metrics_port,
@@ -51,7 +58,12 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int, default_
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
-        host=args.host, port=args.port, log_level=args.log_level, grace_s=args.grace_s, metrics_port=args.metrics_port
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        grace_s=args.grace_s,
+        metrics_port=args.metrics_port,
+        log_format=args.log_format,
     )
 
 

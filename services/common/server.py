@@ -115,7 +115,7 @@ def run_service(
     except ValueError as err:
         print(f"vlmesh serve {name}: error: {err}", file=sys.stderr)
         return 2
-    setup_logging(cfg.server.log_level, name)  # type: ignore[attr-defined]
+    setup_logging(cfg.server.log_level, name, cfg.server.log_format)  # type: ignore[attr-defined]
     try:
         telemetry.setup_tracing(name)
         if cfg.server.metrics_port >= 0:  # type: ignore[attr-defined]

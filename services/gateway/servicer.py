@@ -15,6 +15,7 @@ import grpc
 
 from services.common import errors, metrics, telemetry
 from services.common.errors import InvalidArgument, Unavailable, from_rpc_error
+from services.common.logs import request_context
 from services.common.qos import qos_from_metadata, qos_metadata
 from services.common.sampling import check_sampling
 from services.common.server import GRPC_OPTIONS
@@ -61,6 +62,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         received = time.perf_counter()
         request_id = request.request_id[:MAX_REQUEST_ID_CHARS] or uuid.uuid4().hex
         telemetry.annotate({"request.id": request_id, "tenant.id": "anonymous"})  # on the RPC's (root) span
+        request_context(request_id, "anonymous")
         qos = qos_from_metadata(context.invocation_metadata())
         telemetry.annotate({"qos.level": qos.wire})
         with telemetry.span("gateway.admission"):

@@ -17,6 +17,7 @@ import grpc
 from services.common import errors, metrics, telemetry
 from services.common.errors import InvalidArgument, MeshError, Unavailable
 from services.common.hostinfo import host_id
+from services.common.logs import request_context
 from services.common.qos import qos_from_metadata
 from services.common.sampling import check_sampling
 from services.common.tensorref import FeatureImporter, transport_name
@@ -83,6 +84,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
     @errors.stream
     async def Generate(self, request: llm_pb2.LlmGenerateRequest, context: grpc.aio.ServicerContext):
         qos = qos_from_metadata(context.invocation_metadata())
+        request_context(request.request_id)
         telemetry.annotate(
             {
                 "request.id": request.request_id,

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.common import errors, metrics, telemetry
+from services.common.logs import request_context
 from services.common.qos import qos_from_metadata
 from services.common.tensorref import transport_name
 from services.common.validation import check_images
@@ -32,6 +33,7 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
     @errors.unary
     async def Encode(self, request: vision_pb2.EncodeRequest, context: grpc.aio.ServicerContext):
         qos = qos_from_metadata(context.invocation_metadata())
+        request_context(request.request_id)
         telemetry.annotate(
             {
                 "request.id": request.request_id,
