@@ -11,7 +11,7 @@ PHOENIX_VENV ?= .venv-phoenix
 PHOENIX_STAMP := $(PHOENIX_VENV)/.installed
 PHOENIX_SPEC ?= arize-phoenix==20.26.1
 
-.PHONY: demo test test-gpu bench bench-gpu venv protos lint help
+.PHONY: demo test test-gpu bench bench-gpu venv protos lint help prometheus-tools
 
 help:
 	@echo "make demo      start the mesh on the demo model, answer one picture, stop"
@@ -40,10 +40,19 @@ $(PHOENIX_STAMP):
 	$(PHOENIX_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(PHOENIX_SPEC)"
 	@touch $@
 
-# REQUIRE_OBSERVABILITY=1: the tracing tests fail, not skip, when their backend is missing.
-test: $(STAMP) $(PHOENIX_STAMP)
+# Prometheus and promtool (Debian package) for the metrics tests; root installs them (as in CI).
+prometheus-tools:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	  else echo "note: install the Debian package prometheus for the metrics tests (they skip without it)"; fi
+
+# In CI (CI=true) the observability tests fail, not skip, when Phoenix or Prometheus is missing.
+REQUIRE_OBSERVABILITY ?= $(if $(CI),1,0)
+
+test: $(STAMP) $(PHOENIX_STAMP) prometheus-tools
 	$(PY) -m ruff check .
-	REQUIRE_OBSERVABILITY=1 $(PY) -m pytest -q tests
+	REQUIRE_OBSERVABILITY=$(REQUIRE_OBSERVABILITY) $(PY) -m pytest -q tests
 
 # On the GPU machine: its python already has torch with CUDA; missing wheels are carried.
 test-gpu:

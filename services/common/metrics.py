@@ -14,7 +14,7 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 log = logging.getLogger(__name__)
 
 # Latency buckets from 1 ms to 60 s; per-token buckets from 0.1 ms to 1 s.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 0.8, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 REQUESTS = Counter("vlmesh_requests_total", "RPCs answered, by final gRPC status code", ["service", "method", "code"])
