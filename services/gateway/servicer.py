@@ -121,7 +121,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if not started:
                     await self._release(encoded.features)
                 raise from_rpc_error(err, "llm") from err
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):  # the client went away or the deadline passed
                 call.cancel()
                 if not started:  # the llm may never have read them; don't wait for the TTL
                     task = asyncio.get_running_loop().create_task(self._release(encoded.features))
