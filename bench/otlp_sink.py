@@ -22,6 +22,7 @@ class Sink(trace_service_pb2_grpc.TraceServiceServicer):
 
     async def Export(self, request, context):
         self.spans += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        print(f"received {self.spans} spans", flush=True)
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
@@ -32,10 +33,7 @@ async def serve(port: int) -> None:
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     print(f"OTLP sink on 127.0.0.1:{port}", flush=True)
-    try:
-        await server.wait_for_termination()
-    finally:
-        print(f"received {sink.spans} spans", flush=True)
+    await server.wait_for_termination()
 
 
 def main() -> None:
