@@ -57,6 +57,7 @@ class MeshOptions:
     warmup_images: str | None = None
     warmup_requests: int = 10
     log_level: str = "info"
+    tenants: str | None = None
     start_timeout_s: float = 180.0
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -154,7 +155,10 @@ class Mesh:
         )
         self._wait_healthy([vision, llm], deadline)
         progress(f"vision and llm are healthy; starting gateway on {self.target('gateway')}")
-        gateway = self._spawn("gateway", ["--vision-target", self.target("vision"), "--llm-target", self.target("llm")])
+        gateway_args = ["--vision-target", self.target("vision"), "--llm-target", self.target("llm")]
+        if o.tenants:
+            gateway_args += ["--tenants", o.tenants]
+        gateway = self._spawn("gateway", gateway_args)
         self._wait_healthy([gateway], deadline)
         self.warm_up(progress)
 
@@ -279,6 +283,12 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
         default="9464,9465,9466",
         help="Prometheus /metrics ports of gateway,vision,llm; 0 = free, -1 = off (default %(default)s)",
     )
+    p.add_argument(
+        "--tenants",
+        default=None,
+        metavar="FILE",
+        help="JSON tenants file (API keys, max qos-level, rate limits); auth is off without it",
+    )
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
 
@@ -299,6 +309,7 @@ def options_from_args(args: argparse.Namespace) -> MeshOptions:
         warmup_images=args.warmup_images,
         warmup_requests=args.warmup_requests,
         metrics_ports=tuple(int(x) for x in args.metrics_ports.split(",")),
+        tenants=args.tenants,
         log_level=args.log_level,
     )
 

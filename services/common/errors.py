@@ -49,6 +49,14 @@ class ResourceExhausted(MeshError):
         self.retry_after_s = retry_after_s
 
 
+class Unauthenticated(MeshError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(MeshError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Unavailable(MeshError):
     code = grpc.StatusCode.UNAVAILABLE
 
@@ -92,6 +100,17 @@ def from_rpc_error(err: grpc.RpcError, peer: str) -> MeshError:
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: BaseException, method: str) -> None:
+    if isinstance(err, ResourceExhausted):
+        # Clients and proxies read when to retry from google.rpc RetryInfo in the status details.
+        from google.protobuf import duration_pb2
+        from google.rpc import code_pb2, error_details_pb2, status_pb2
+        from grpc_status import rpc_status
+
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(err.retry_after_s * 1e9))
+        detail = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=err.message)
+        detail.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        await context.abort_with_status(rpc_status.to_status(detail))
     if isinstance(err, MeshError):
         if err.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE):
             log.warning("%s failed: %s: %s", method, err.code.name, err.message)

@@ -16,6 +16,7 @@ class GatewayConfig:
     vision_target: str
     llm_target: str
     max_images: int
+    tenants: str | None
 
     def check(self) -> None:
         self.server.check()
@@ -35,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vision-target", default="127.0.0.1:50052", help="vision service HOST:PORT (default %(default)s)")
     g.add_argument("--llm-target", default="127.0.0.1:50053", help="llm service HOST:PORT (default %(default)s)")
     g.add_argument("--max-images", type=int, default=1, help="images per request (default %(default)s)")
+    g.add_argument(
+        "--tenants",
+        default=None,
+        metavar="FILE",
+        help="JSON file of tenants (API keys, max qos-level, rate limits); auth is off without it",
+    )
     return p
 
 
@@ -45,6 +52,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         vision_target=args.vision_target,
         llm_target=args.llm_target,
         max_images=args.max_images,
+        tenants=args.tenants,
     )
     cfg.check()
     return cfg

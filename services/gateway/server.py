@@ -7,13 +7,15 @@ import logging
 from services.common.server import run_service, serve_until_signal, start_server
 from services.gateway import config as gateway_config
 from services.gateway.servicer import GatewayServicer
+from services.gateway.tenants import TenantRegistry
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("gateway")
 
 
 async def serve(cfg: gateway_config.GatewayConfig) -> None:
-    servicer = GatewayServicer(cfg.vision_target, cfg.llm_target, cfg.max_images)
+    tenants = TenantRegistry.load(cfg.tenants) if cfg.tenants else None
+    servicer = GatewayServicer(cfg.vision_target, cfg.llm_target, cfg.max_images, tenants)
     running = await start_server(
         cfg.server.host,
         cfg.server.port,

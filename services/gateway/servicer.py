@@ -20,6 +20,7 @@ from services.common.qos import qos_from_metadata, qos_metadata
 from services.common.sampling import check_sampling
 from services.common.server import GRPC_OPTIONS
 from services.common.validation import check_images, check_prompt
+from services.gateway.tenants import TenantRegistry
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc, llm_pb2, llm_pb2_grpc, vision_pb2, vision_pb2_grpc
 
@@ -29,7 +30,10 @@ MAX_REQUEST_ID_CHARS = 128
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, vision_target: str, llm_target: str, max_images: int) -> None:
+    def __init__(
+        self, vision_target: str, llm_target: str, max_images: int, tenants: TenantRegistry | None = None
+    ) -> None:
+        self.tenants = tenants
         interceptors = telemetry.client_interceptors()  # W3C trace context into the metadata
         self.vision = vision_pb2_grpc.VisionStub(
             grpc.aio.insecure_channel(vision_target, options=GRPC_OPTIONS, interceptors=interceptors)
@@ -61,11 +65,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """Yield GenerateResponse messages; the last one carries usage and timings."""
         received = time.perf_counter()
         request_id = request.request_id[:MAX_REQUEST_ID_CHARS] or uuid.uuid4().hex
-        telemetry.annotate({"request.id": request_id, "tenant.id": "anonymous"})  # on the RPC's (root) span
-        request_context(request_id, "anonymous")
-        qos = qos_from_metadata(context.invocation_metadata())
-        telemetry.annotate({"qos.level": qos.wire})
+        telemetry.annotate({"request.id": request_id})  # on the RPC's (root) span
         with telemetry.span("gateway.admission"):
+            metadata_in = context.invocation_metadata()
+            tenant = self.tenants.authenticate(metadata_in) if self.tenants else None
+            tenant_id = tenant.id if tenant else "anonymous"
+            telemetry.annotate({"tenant.id": tenant_id})
+            request_context(request_id, tenant_id)
+            qos = qos_from_metadata(metadata_in)
+            telemetry.annotate({"qos.level": qos.wire})
+            if tenant is not None:
+                self.tenants.admit(tenant, qos)
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                 raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
             check_images(request.images, self.max_images)
@@ -116,6 +126,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     out = gateway_pb2.GenerateResponse(request_id=request_id, text=msg.text, token_ids=msg.token_ids)
                     if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                         self._finish(out, msg, encoded.timings, qos, received, admitted, first_token_at)
+                        if tenant is not None and tenant.tokens is not None:
+                            tenant.tokens.charge(msg.usage.output_tokens)
                     yield out
             except grpc.RpcError as err:
                 if not started:
