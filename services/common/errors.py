@@ -102,10 +102,12 @@ def from_rpc_error(err: grpc.RpcError, peer: str) -> MeshError:
 async def _abort(context: grpc.aio.ServicerContext, err: BaseException, method: str) -> None:
     if isinstance(err, ResourceExhausted):
         # Clients and proxies read when to retry from google.rpc RetryInfo in the status details.
-        from google.protobuf import duration_pb2
-        from google.rpc import code_pb2, error_details_pb2, status_pb2
-        from grpc_status import rpc_status
-
+        try:
+            from google.protobuf import duration_pb2
+            from google.rpc import code_pb2, error_details_pb2, status_pb2
+            from grpc_status import rpc_status
+        except ImportError:  # a host without grpcio-status: the message still says when
+            await context.abort(err.code, err.message)
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(int(err.retry_after_s * 1e9))
         detail = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=err.message)
