@@ -25,6 +25,17 @@ class QosLevel(enum.IntEnum):
 _BY_WIRE = {level.wire: level for level in QosLevel}
 
 
+# Aging: a waiting request moves up one class for every AGING_S seconds it has waited, so a
+# backlogged best-effort request competes as realtime after 2 * AGING_S seconds and is then
+# served in arrival order among realtime work: no class starves, whatever the load above it.
+AGING_S = 2.0
+
+
+def effective_class(level: int, waited_s: float, aging_s: float = AGING_S) -> int:
+    """The class a request competes in after waiting `waited_s` (0 = realtime)."""
+    return max(0, int(level) - int(waited_s // aging_s))
+
+
 def parse_qos(value: str | None) -> QosLevel:
     """Map a metadata value to a level; absent means `standard`, unknown is INVALID_ARGUMENT."""
     if value is None or value == "":

@@ -61,6 +61,3 @@ class Request:
     @property
     def image_tokens(self) -> int:
         return sum(f.shape[0] for f in self.image_features)
-
-    def sort_key(self) -> tuple[int, float]:
-        return (int(self.qos), self.arrival)

@@ -1,17 +1,18 @@
 """The llm scheduler: a pure policy over requests and KV slots (CPU only, no torch).
 
-Each step it admits waiting requests into free KV slots in QoS order (class, then
-arrival) and decodes every running request once. The plan is the contract with the
-model runner.
+Each step it admits waiting requests into free KV slots in QoS order (class, aged by
+waiting time, then arrival) and decodes every running request once. The plan is the
+contract with the model runner.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.metrics import QUEUE_DEPTH
+from services.common.qos import AGING_S, effective_class
 from services.llm.request import Request
 
 
@@ -44,14 +45,16 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, max_batch: int) -> None:
+    def __init__(
+        self, max_batch: int, aging_s: float = AGING_S, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.slots = SlotPool(max_batch)
-        self._waiting: list[tuple[tuple[int, float], int, Request]] = []
-        self._seq = itertools.count()
+        self._waiting: list[Request] = []
         self.running: list[Request] = []
+        self.aging_s, self.clock = aging_s, clock
 
     def add(self, req: Request) -> None:
-        heapq.heappush(self._waiting, (req.sort_key(), next(self._seq), req))
+        self._waiting.append(req)
         QUEUE_DEPTH.labels("llm", req.qos.wire).inc()
 
     @property
@@ -60,8 +63,13 @@ class Scheduler:
 
     def schedule(self) -> Plan:
         plan = Plan(decode=list(self.running))
+        if not (self._waiting and self.slots.free):
+            return plan
+        now = self.clock()
+        # Sorting a short queue when a slot is free costs less than keeping an aged heap.
+        self._waiting.sort(key=lambda r: (effective_class(r.qos, now - r.arrival, self.aging_s), r.arrival))
         while self._waiting and self.slots.free:
-            _, _, req = heapq.heappop(self._waiting)
+            req = self._waiting.pop(0)
             QUEUE_DEPTH.labels("llm", req.qos.wire).dec()
             if req.aborted:
                 continue
@@ -78,13 +86,12 @@ class Scheduler:
             req.slot = -1
 
     def drop_waiting(self, request_id: str) -> Request | None:
-        for i, (_, _, req) in enumerate(self._waiting):
+        for i, req in enumerate(self._waiting):
             if req.id == request_id:
                 self._waiting.pop(i)
                 QUEUE_DEPTH.labels("llm", req.qos.wire).dec()
-                heapq.heapify(self._waiting)
                 return req
         return None
 
     def all_waiting(self) -> list[Request]:
-        return [req for _, _, req in self._waiting]
+        return list(self._waiting)

@@ -1,14 +1,13 @@
 """Batches waiting images for the ViT, in QoS order.
 
-Images wait in a priority queue ordered by (QoS class, arrival). Whenever the encoder
-is free it takes up to `max_batch` of them, so batches grow with load and a lone
-request never waits for a timer.
+Images wait in a queue ordered by QoS class (aged by waiting time, as in the llm
+scheduler), then arrival. Whenever the encoder is free it takes up to `max_batch` of
+them, so batches grow with load and a lone request never waits for a timer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,11 +16,11 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common import metrics, telemetry
-from services.common.qos import QosLevel
+from services.common.qos import QosLevel, effective_class
 from services.vision.encoder import VisionEncoder
 
 
-@dataclass(order=True)
+@dataclass
 class _Item:
     qos: int
     seq: int
@@ -43,7 +42,7 @@ class VisionBatcher:
     def __init__(self, encoder: VisionEncoder, max_batch: int) -> None:
         self.encoder = encoder
         self.max_batch = max_batch
-        self._heap: list[_Item] = []
+        self._waiting: list[_Item] = []
         self._seq = itertools.count()
         self._wake = asyncio.Event()
         # One thread runs the model; torch parallelises inside it.
@@ -56,19 +55,19 @@ class VisionBatcher:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-        for item in self._heap:
+        for item in self._waiting:
             if not item.future.done():
                 item.future.cancel()
         self._executor.shutdown(wait=True)
 
     @property
     def depth(self) -> int:
-        return len(self._heap)
+        return len(self._waiting)
 
     async def submit(self, pixels: torch.Tensor, qos: QosLevel) -> EncodeResult:
         future = asyncio.get_running_loop().create_future()
         item = _Item(int(qos), next(self._seq), pixels, future, time.perf_counter(), telemetry.current_context())
-        heapq.heappush(self._heap, item)
+        self._waiting.append(item)
         metrics.QUEUE_DEPTH.labels("vision", qos.wire).inc()
         self._wake.set()
         result = await future
@@ -86,10 +85,12 @@ class VisionBatcher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._heap:
+            while self._waiting:
                 batch: list[_Item] = []
-                while self._heap and len(batch) < self.max_batch:
-                    item = heapq.heappop(self._heap)
+                now = time.perf_counter()
+                self._waiting.sort(key=lambda it: (effective_class(it.qos, now - it.enqueued), it.seq))
+                while self._waiting and len(batch) < self.max_batch:
+                    item = self._waiting.pop(0)
                     level = QosLevel(item.qos).wire
                     metrics.QUEUE_DEPTH.labels("vision", level).dec()
                     if not item.future.cancelled():  # the caller went away while waiting
