@@ -115,12 +115,21 @@ def span(name: str, attributes: dict | None = None, links: Sequence | None = Non
     return _tracer.start_as_current_span(name, attributes=attributes, links=links)
 
 
-def annotate(attributes: dict) -> None:
-    """Set attributes on the current span (the RPC's span in a servicer)."""
+def current_span():
+    """The current span (None when tracing is off), to annotate it later from a child's scope."""
+    if not ENABLED:
+        return None
+    from opentelemetry import trace
+
+    return trace.get_current_span()
+
+
+def annotate(attributes: dict, span=None) -> None:
+    """Set attributes on `span`, or on the current span (the RPC's span in a servicer)."""
     if ENABLED:
         from opentelemetry import trace
 
-        trace.get_current_span().set_attributes({k: v for k, v in attributes.items() if v is not None})
+        (span or trace.get_current_span()).set_attributes({k: v for k, v in attributes.items() if v is not None})
 
 
 def current_context():

@@ -65,15 +65,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """Yield GenerateResponse messages; the last one carries usage and timings."""
         received = time.perf_counter()
         request_id = request.request_id[:MAX_REQUEST_ID_CHARS] or uuid.uuid4().hex
-        telemetry.annotate({"request.id": request_id})  # on the RPC's (root) span
+        root = telemetry.current_span()  # the RPC's server span: the trace's root
+        telemetry.annotate({"request.id": request_id}, root)
         with telemetry.span("gateway.admission"):
             metadata_in = context.invocation_metadata()
             tenant = self.tenants.authenticate(metadata_in) if self.tenants else None
             tenant_id = tenant.id if tenant else "anonymous"
-            telemetry.annotate({"tenant.id": tenant_id})
+            telemetry.annotate({"tenant.id": tenant_id}, root)
             request_context(request_id, tenant_id)
             qos = qos_from_metadata(metadata_in)
-            telemetry.annotate({"qos.level": qos.wire})
+            telemetry.annotate({"qos.level": qos.wire}, root)
             if tenant is not None:
                 self.tenants.admit(tenant, qos)
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
