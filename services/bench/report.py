@@ -114,37 +114,36 @@ def plot(out_dir: Path, runs: list[dict], records: dict[str, list[Record]], warm
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
+    def save(fig, ax, name: str, title: str, xlabel: str, ylabel: str) -> Path:
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=120)
+        plt.close(fig)
+        return out_dir / name
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key in sorted({(r["target"], r["workload"]) for r in runs}):
         rs = sorted((r for r in runs if (r["target"], r["workload"]) == key), key=lambda r: r["summary"]["offered_rps"])
         x = [r["summary"]["throughput_rps"] for r in rs]
         for q, style in (("p50", "-o"), ("p99", "--^")):
             ax.plot(x, [r["summary"]["e2e_ms"][q] for r in rs], style, label=f"{key[0]} {key[1]} {q}")
-    ax.set_xlabel("throughput (req/s)")
-    ax.set_ylabel("end-to-end latency (ms)")
     ax.set_yscale("log")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title("latency against throughput (open loop, Poisson)")
-    fig.tight_layout()
-    paths.append(out_dir / "latency-vs-throughput.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    throughput = save(
+        fig,
+        ax,
+        "latency-vs-throughput.png",
+        "latency against throughput (open loop, Poisson)",
+        "throughput (req/s)",
+        "end-to-end latency (ms)",
+    )
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, recs in records.items():
         xs = sorted(r.outcome.e2e_s * 1000 for r in recs if r.outcome.status == "OK" and r.scheduled_s >= warmup_s)
         if xs:
             ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=key)
-    ax.set_xlabel("end-to-end latency (ms)")
-    ax.set_ylabel("fraction of requests")
     ax.set_xscale("log")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title("latency CDF per run")
-    fig.tight_layout()
-    paths.append(out_dir / "latency-cdf.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    return paths
+    cdf = save(fig, ax, "latency-cdf.png", "latency CDF per run", "end-to-end latency (ms)", "fraction of requests")
+    return [throughput, cdf]

@@ -61,14 +61,6 @@ class Unavailable(MeshError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-class DeadlineExceeded(MeshError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-class Cancelled(MeshError):
-    code = grpc.StatusCode.CANCELLED
-
-
 # Downstream statuses that describe the request, not the peer: they travel upstream as they are.
 _PASS_THROUGH = frozenset(
     {

@@ -35,7 +35,6 @@ class LeaseTable:
         self._free = list(range(n_slots - 1, -1, -1))
         self._by_id: dict[int, Lease] = {}
         self._lock = threading.Lock()
-        self.expired_total = 0
 
     def acquire(self, refs: int = 1) -> Lease:
         with self._lock:
@@ -50,10 +49,6 @@ class LeaseTable:
             lease = Lease(lease_id, slot, refs, now + self.ttl_s, int((time.time() + self.ttl_s) * 1000))
             self._by_id[lease_id] = lease
             return lease
-
-    def get(self, lease_id: int) -> Lease | None:
-        with self._lock:
-            return self._by_id.get(lease_id)
 
     def release(self, lease_id: int) -> int | None:
         """Drop one reference; return the freed slot when it was the last, else None."""
@@ -71,7 +66,6 @@ class LeaseTable:
         now = time.monotonic()
         with self._lock:
             expired = [lease for lease in self._by_id.values() if lease.expires_at <= now]
-            self.expired_total += len(expired)
             return [self._drop(lease) for lease in expired]
 
     def _drop(self, lease: Lease) -> int:

@@ -28,7 +28,6 @@ class Engine:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self.eos = set(runner.spec.text.eos_token_ids)
-        self.steps = 0
         slots = self.scheduler.slots
         KV_SLOTS.labels("used").set_function(lambda: slots.n - slots.free)
         KV_SLOTS.labels("free").set_function(lambda: slots.free)
@@ -90,7 +89,6 @@ class Engine:
                 for req in plan.prefill + plan.decode:
                     if req.slot >= 0:
                         self._finish(req, Finish.ERROR, f"engine step failed: {type(err).__name__}: {err}")
-            self.steps += 1
         for req in list(self.scheduler.running) + self.scheduler.all_waiting():
             self._finish(req, Finish.ABORT, "the llm server is shutting down")
 

@@ -60,10 +60,6 @@ class VisionBatcher:
                 item.future.cancel()
         self._executor.shutdown(wait=True)
 
-    @property
-    def depth(self) -> int:
-        return len(self._waiting)
-
     async def submit(self, pixels: torch.Tensor, qos: QosLevel) -> EncodeResult:
         future = asyncio.get_running_loop().create_future()
         item = _Item(int(qos), next(self._seq), pixels, future, time.perf_counter(), telemetry.current_context())
