@@ -1,12 +1,17 @@
 """Benchmark one feature hand-off between two processes: CUDA IPC, shared memory, inline bytes.
 
 The tensor is one LLaVA-7B image's features: [576, 4096] bf16 (4.7 MB), made on the
-producer's GPU, wanted on the consumer's GPU. Producer time is `FeatureExporter.export`
-(copy into a leased slot and signal readiness; for inline, the D2H copy and bytes);
-consumer time is `FeatureImporter.load` plus, for host transports, the copy to the GPU;
-for inline also protobuf serialisation and parsing of the reference. The gRPC call that
-carries the reference is not included (it is the same for every transport, except that
-inline also pushes the 4.7 MB through it).
+producer's GPU, wanted on the consumer's GPU. Two figures per transport:
+- host path: `FeatureExporter.export` in the producer (copy into a leased slot and signal
+  readiness; for inline, the D2H copy and bytes) plus `FeatureImporter.load` in the
+  consumer (for host transports also the copy to the GPU, synchronised; for inline also
+  protobuf serialisation and parsing of the reference). For CUDA IPC, load returns the
+  producer's memory in place, ordered on the consumer's stream: nothing waits on the GPU.
+- until read: host path, then the consumer copies the features into its own buffer (as
+  the llm's prefill does into the prompt embeddings) and synchronises. This is when the
+  data has really crossed, context switches between the two processes included.
+The gRPC call that carries the reference is not included (it is the same for every
+transport, except that inline also pushes the 4.7 MB through it).
 
     python -m bench.handoff [--iters 300] [--out results.json]
 """
@@ -58,7 +63,8 @@ def run_case(transport: int, ready: str, iters: int, warmup: int) -> dict:
         try:
             conn = connect(address)
             importer = FeatureImporter(torch.device("cuda"))
-            producer, consumer, first = [], [], None
+            landing = torch.empty(SHAPE, dtype=torch.bfloat16, device="cuda")
+            producer, consumer, read, first = [], [], [], None
             for i in range(warmup + iters):
                 ref, _, produced = write(conn, i, SHAPE, "bfloat16", transport)
                 torch.cuda.synchronize()
@@ -70,18 +76,25 @@ def run_case(transport: int, ready: str, iters: int, warmup: int) -> dict:
                     out = out.to("cuda")
                     torch.cuda.synchronize()
                 took = time.perf_counter() - start
+                landing.copy_(out)
+                torch.cuda.synchronize()
+                landed = time.perf_counter() - start
                 if ref.lease.id:
+                    importer.verify(ref)
                     call(conn, "release", ref.lease.id)
                 if i == 0:
-                    first = took
+                    first = landed
                 if i >= warmup:
                     producer.append(produced * 1e6)
                     consumer.append(took * 1e6)
+                    read.append((produced + landed) * 1e6)
             conn.send(("stop",))
         finally:
             proc.wait(30)
     total = [p + c for p, c in zip(producer, consumer, strict=True)]
     return {
+        "read_us_p50": statistics.median(read),
+        "read_us_p99": pct(read, 0.99),
         "transport": pb.Transport.Name(transport).removeprefix("TRANSPORT_"),
         "ready": ready,
         "producer_us_p50": statistics.median(producer),
@@ -100,6 +113,7 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--label", default="", help="a note for the table, e.g. 'MPS on'")
     args = p.parse_args()
     cases = [
         (pb.TRANSPORT_CUDA_IPC, "sync"),
@@ -111,19 +125,30 @@ def main() -> int:
     for transport, ready in cases:
         print(f"running {pb.Transport.Name(transport)} ready={ready} ...", file=sys.stderr, flush=True)
         rows.append(run_case(transport, ready, args.iters, args.warmup))
-    env = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "shape": SHAPE, "dtype": "bfloat16"}
+    env = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "shape": SHAPE,
+        "dtype": "bfloat16",
+        "label": args.label,
+    }
     if args.out:
         args.out.write_text(json.dumps({"env": env, "results": rows}, indent=2))
-    print(f"hand-off of one [576, 4096] bf16 tensor (4.7 MB), {env['gpu']}, {args.iters} iterations, microseconds")
     print(
-        f"{'transport':<10}{'ready':<7}{'producer p50/p99':>20}{'consumer p50/p99':>20}{'total p50/p99':>20}"
-        f"{'first import':>15}"
+        f"hand-off of one [576, 4096] bf16 tensor (4.7 MB), {env['gpu']}, {args.iters} iterations, "
+        f"microseconds p50 / p99 {args.label}"
+    )
+    print(
+        f"{'transport':<10}{'ready':<7}{'producer':>19}{'consumer':>19}{'host path':>19}{'until read':>19}{'first':>12}"
     )
     for r in rows:
         print(
-            f"{r['transport']:<10}{r['ready']:<7}{r['producer_us_p50']:>11.1f} /{r['producer_us_p99']:>7.1f}"
-            f"{r['consumer_us_p50']:>11.1f} /{r['consumer_us_p99']:>7.1f}{r['total_us_p50']:>11.1f} /"
-            f"{r['total_us_p99']:>7.1f}{r['first_import_ms']:>12.2f} ms"
+            f"{r['transport']:<10}{r['ready']:<7}"
+            + "".join(
+                f"{r[f'{k}_us_p50']:>10.1f} /{r[f'{k}_us_p99']:>7.1f}"
+                for k in ("producer", "consumer", "total", "read")
+            )
+            + f"{r['first_import_ms']:>9.2f} ms"
         )
     return 0
 

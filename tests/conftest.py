@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import os
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -84,3 +86,27 @@ def mesh(tiny_model):
     with Mesh(mesh_options(tiny_model)) as running:
         running.start(progress=lambda msg: None)
         yield running
+
+
+def scrape(port: int) -> str:
+    """One Prometheus /metrics page of a mesh server."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def sample(text: str, series: str) -> float | None:
+    """The value of one exposition line, e.g. `vlmesh_kv_slots{state="used"}`; None if absent."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def settle(port: int, series: str, want: float, timeout: float = 10.0) -> float | None:
+    """Poll a series until it equals `want` (releases are asynchronous); return the last value seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = sample(scrape(port), series)
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)

@@ -24,8 +24,6 @@ import threading
 import time
 from multiprocessing import resource_tracker, shared_memory
 
-import numpy as np
-
 from services.common.errors import FailedPrecondition, Unavailable
 from services.common.leases import Lease, LeaseTable
 
@@ -47,9 +45,15 @@ def align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _table(buf, n_slots: int) -> np.ndarray:
-    """The lease table as a structured array view: fields 'id' and 'expires'."""
-    return np.ndarray((n_slots,), dtype=[("id", "<u8"), ("expires", "<f8")], buffer=buf, offset=_TABLE_OFFSET)
+# One lease-table entry. Read with struct, not numpy: a structured-array lookup costs about
+# 12 us against 3 us, and a hand-off checks its lease twice.
+_ENTRY = struct.Struct("<Qd")  # lease id, expiry
+_ID = struct.Struct("<Q")
+_EXPIRES = struct.Struct("<d")
+
+
+def _entry_offset(slot: int) -> int:
+    return _TABLE_OFFSET + _ENTRY.size * slot
 
 
 class ArenaTable:
@@ -68,8 +72,7 @@ class ArenaTable:
         _HEADER.pack_into(
             self.shm.buf, 0, MAGIC, VERSION, location, self.slot_bytes, n_slots, self.data_offset, time.monotonic()
         )
-        self._table = _table(self.shm.buf, n_slots)
-        self._table["id"] = 0
+        self.shm.buf[_TABLE_OFFSET : _TABLE_OFFSET + _ENTRY.size * n_slots] = bytes(_ENTRY.size * n_slots)
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name=f"arena-heartbeat-{self.name}", daemon=True)
         self._beat.start()
@@ -87,20 +90,24 @@ class ArenaTable:
 
     def publish(self, lease: Lease) -> None:
         """Make a written slot readable: its lease id goes in only after the data."""
-        self._table["expires"][lease.slot] = lease.expires_at
-        self._table["id"][lease.slot] = lease.id
+        at = _entry_offset(lease.slot)
+        _EXPIRES.pack_into(self.shm.buf, at + _ID.size, lease.expires_at)
+        _ID.pack_into(self.shm.buf, at, lease.id)
+
+    def _clear(self, slot: int) -> None:
+        _ID.pack_into(self.shm.buf, _entry_offset(slot), 0)
 
     def release(self, lease_id: int) -> bool:
         slot = self.leases.release(lease_id)
         if slot is None:
             return False
-        self._table["id"][slot] = 0
+        self._clear(slot)
         return True
 
     def reap(self) -> int:
         slots = self.leases.reap()
         for slot in slots:
-            self._table["id"][slot] = 0
+            self._clear(slot)
         if slots:
             log.warning("arena %s: reclaimed %d slots whose lease expired unreleased", self.name, len(slots))
         return len(slots)
@@ -108,7 +115,6 @@ class ArenaTable:
     def close(self) -> None:
         self._stop.set()
         self._beat.join(timeout=2)
-        self._table = None  # drop the buffer export before closing
         self.shm.close()
         self.shm.unlink()
 
@@ -145,7 +151,6 @@ class ArenaView:
                 f"feature arena {name!r} has layout version {version}, this process reads {VERSION}"
             )
         self.name = name
-        self.table = _table(self.shm.buf, self.n_slots)
 
     def slot(self, offset: int, nbytes: int) -> int:
         """The slot a reference points at; FAILED_PRECONDITION when it is not exactly one slot's start."""
@@ -169,14 +174,13 @@ class ArenaView:
             raise Unavailable(
                 f"the vision process that owns feature arena {self.name!r} stopped (no heartbeat for {age:.1f}s)"
             )
-        entry = self.table[slot]
-        if lease_id == 0 or int(entry["id"]) != lease_id:
+        held_by, expires = _ENTRY.unpack_from(self.shm.buf, _entry_offset(slot))
+        if lease_id == 0 or held_by != lease_id:
             raise FailedPrecondition("tensor reference is stale: its lease was released, expired or never issued")
-        if float(entry["expires"]) - time.monotonic() < margin_s:
+        if expires - time.monotonic() < margin_s:
             raise FailedPrecondition("tensor reference is about to expire: ask the vision service again")
 
     def close(self) -> None:
-        self.table = None
         try:
             self.shm.close()
         except BufferError:

@@ -8,6 +8,7 @@ none is silent.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -78,12 +79,24 @@ def inline_ref(tensor: torch.Tensor, producer_host: str) -> pb.TensorRef:
     )
 
 
+def holds_lease(ref: pb.TensorRef) -> bool:
+    """Whether `FeatureImporter.load` returned the producer's memory itself, not a copy.
+
+    Such a tensor is valid only while its lease holds: the consumer releases the lease
+    once its kernels have read the tensor, and calls `FeatureImporter.verify` after
+    reading, before trusting what it read. Host slots and inline bytes are copied on load,
+    so their leases may go at once.
+    """
+    return ref.transport == pb.TRANSPORT_CUDA_IPC
+
+
 class FeatureImporter:
     """Consumer side: turns TensorRefs into tensors, caching opened arenas."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device or torch.device("cpu")
         self._views: dict[str, ArenaView] = {}
+        self._counters: dict[int, tuple] = {}  # per transport: (hand-offs, bytes) metric children
         self._cuda = None
         if self.device.type == "cuda":
             from services.common.cuda_arena import CudaImports
@@ -108,10 +121,7 @@ class FeatureImporter:
         shape = list(ref.shape)
         if not shape or any(d <= 0 for d in shape):
             raise FailedPrecondition(f"tensor reference has an invalid shape {shape}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         name = transport_name(ref.transport)
         if ref.transport == pb.TRANSPORT_INLINE:
             if len(ref.inline_data) != nbytes:
@@ -125,7 +135,7 @@ class FeatureImporter:
                 if ref.transport == pb.TRANSPORT_SHM:
                     out = read_host(view, ref.offset, ref.nbytes, ref.lease.id, dtype, shape)
                 elif self._cuda is not None:
-                    out = self._cuda.read(view, ref, dtype, shape)
+                    out = self._cuda.open(view, ref, dtype, tuple(shape))
                 else:
                     raise FailedPrecondition("this process has no GPU: it cannot open CUDA_IPC references")
             except Unavailable:
@@ -133,9 +143,18 @@ class FeatureImporter:
                 raise
         else:
             raise FailedPrecondition(f"transport {name} is not available in this process")
-        HANDOFFS.labels(name).inc()
-        HANDOFF_BYTES.labels(name).inc(nbytes)
+        count, size = self._counters.get(ref.transport) or self._counters.setdefault(
+            ref.transport, (HANDOFFS.labels(name), HANDOFF_BYTES.labels(name))
+        )
+        count.inc()
+        size.inc(nbytes)
         return out
+
+    def verify(self, ref: pb.TensorRef) -> None:
+        """FAILED_PRECONDITION unless the reference's lease still holds (the producer cannot have reused it)."""
+        if holds_lease(ref):
+            view = self._view(ref.arena_id)
+            view.check(view.slot(ref.offset, ref.nbytes), ref.lease.id, margin_s=0.0)
 
     def _forget(self, name: str) -> None:
         view = self._views.pop(name, None)

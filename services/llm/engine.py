@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 
+from services.common.errors import MeshError
 from services.common.metrics import BATCH_SIZE, KV_SLOTS
 from services.llm.request import Finish, Output, Request
 from services.llm.runner import ModelRunner
@@ -97,9 +98,19 @@ class Engine:
         for req in plan.prefill:
             req.scheduled_at = now
             req.generator = None if req.sampling.greedy else self.runner.new_generator(req.sampling.seed)
-            logits = self.runner.prefill(req)
+            try:
+                if req.verify_leases:
+                    req.verify_leases()  # not reclaimed while the request waited
+                logits = self.runner.prefill(req)
+                tokens = self.runner.sample([req], logits)  # a host sync: the prefill has read the features
+                if req.verify_leases:
+                    req.verify_leases()  # and they were not reused while it read them
+            except MeshError as err:
+                self._finish(req, Finish.ERROR, err)
+                continue
+            req.drop_leases()
             req.prefill_done_at = time.perf_counter()
-            self._postprocess([req], self.runner.sample([req], logits))
+            self._postprocess([req], tokens)
         decode = [r for r in plan.decode if r.slot >= 0]
         if decode:
             BATCH_SIZE.labels("llm").observe(len(decode))
@@ -122,7 +133,8 @@ class Engine:
             else:
                 req.emit(Output(text, [tok]))
 
-    def _finish(self, req: Request, finish: Finish, error: str | None = None) -> None:
+    def _finish(self, req: Request, finish: Finish, error: str | Exception | None = None) -> None:
+        req.drop_leases()
         self.scheduler.finish(req)
         req.finished_at = time.perf_counter()
         tail = req.detok.flush() if finish in (Finish.STOP, Finish.LENGTH) else ""

@@ -28,7 +28,7 @@ class Output:
     text: str
     token_ids: list[int]
     finish: Finish | None = None
-    error: str | None = None
+    error: str | Exception | None = None  # an Exception carries its own gRPC status (services/common/errors)
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Request:
     id: str
     prompt_ids: list[int]  # image positions hold the image token id
     image_positions: list[int]  # first prompt position of each image's features
-    image_features: list[torch.Tensor]  # each [image_tokens, H], on the CPU
+    image_features: list[torch.Tensor]  # each [image_tokens, H]; may alias the vision arena (see leases)
     text_tokens: int
     sampling: Sampling
     max_new: int  # resolved: sampling.max_tokens or what the context leaves
@@ -49,10 +49,19 @@ class Request:
     computed: int = 0  # tokens whose K/V are in the cache
     generator: torch.Generator | None = None
     aborted: bool = False
+    # Features read in place from the vision arena (CUDA IPC): `verify_leases` raises unless
+    # the leases still hold; `release_leases` hands them back (once, see drop_leases).
+    verify_leases: Callable[[], None] | None = None
+    release_leases: Callable[[], None] | None = None
     # Stage clocks (perf_counter seconds), for the final message's timings.
     scheduled_at: float = 0.0
     prefill_done_at: float = 0.0
     finished_at: float = 0.0
+
+    def drop_leases(self) -> None:
+        release, self.release_leases, self.verify_leases = self.release_leases, None, None
+        if release is not None:
+            release()
 
     @property
     def prompt_len(self) -> int:

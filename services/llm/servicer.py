@@ -1,7 +1,9 @@
 """vlmesh.v1.Llm: a thin adapter from gRPC to the engine.
 
-It validates, builds the prompt, imports the image features through their TensorRefs
-(and releases the leases at once), then relays the engine's outputs. A cancelled or
+It validates, builds the prompt, imports the image features through their TensorRefs,
+then relays the engine's outputs. Features copied on import (host slots, inline bytes)
+have their leases released at once; features read in place (CUDA IPC) keep theirs until
+the engine's prefill has read them. A cancelled or
 expired RPC aborts the request in the engine, which frees its KV slot.
 """
 
@@ -11,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -20,7 +23,7 @@ from services.common.hostinfo import host_id
 from services.common.logs import request_context
 from services.common.qos import qos_from_metadata
 from services.common.sampling import check_sampling
-from services.common.tensorref import FeatureImporter, transport_name
+from services.common.tensorref import FeatureImporter, holds_lease, transport_name
 from services.common.validation import check_prompt
 from services.llm.engine import Engine
 from services.llm.request import Finish, Output, Request
@@ -65,6 +68,23 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             feats.append(tensor)
         return feats
 
+    def _lease_hooks(self, refs) -> tuple[Callable[[], None], Callable[[], None]] | None:
+        """For features read in place (CUDA IPC): the engine verifies, then releases, after its prefill."""
+        held = [r for r in refs if holds_lease(r)]
+        if not held:
+            return None
+        loop = asyncio.get_running_loop()
+
+        def verify() -> None:
+            for ref in held:
+                self.importer.verify(ref)
+
+        def release() -> None:  # on the engine thread
+            with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown): the TTL reclaims them
+                loop.call_soon_threadsafe(self._release_soon, held)
+
+        return verify, release
+
     async def _release(self, refs) -> None:
         """Hand the leases back; the producer's TTL covers a release that gets lost."""
         lease_ids = [r.lease.id for r in refs if r.transport != pb.TRANSPORT_INLINE and r.lease.id]
@@ -77,6 +97,8 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
 
     def _release_soon(self, refs) -> None:
         """Release without delaying the request (the happy path)."""
+        if not refs:
+            return
         task = asyncio.create_task(self._release(refs))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -98,25 +120,27 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
         if not request.image_features:
             raise InvalidArgument("image_features: one image is required")
         t0 = time.perf_counter()
-        kinds = sorted({transport_name(r.transport) for r in request.image_features})
+        refs = request.image_features
+        kinds = sorted({transport_name(r.transport) for r in refs})
         try:
             with telemetry.span("handoff.import", {"transport": ",".join(kinds)}):
-                features = self._import_features(request.image_features)
+                features = self._import_features(refs)
+            handoff_ms = (time.perf_counter() - t0) * 1000
+            sub = submit(
+                self.engine,
+                self.prompts,
+                self.default_max_tokens,
+                request.request_id,
+                request.prompt,
+                features,
+                sampling,
+                qos,
+                self._lease_hooks(refs),
+            )
         except BaseException:
-            await self._release(request.image_features)  # answered only once the slots are back
+            await self._release(refs)  # answered only once the slots are back
             raise
-        self._release_soon(request.image_features)
-        handoff_ms = (time.perf_counter() - t0) * 1000
-        sub = submit(
-            self.engine,
-            self.prompts,
-            self.default_max_tokens,
-            request.request_id,
-            request.prompt,
-            features,
-            sampling,
-            qos,
-        )
+        self._release_soon([r for r in refs if not holds_lease(r)])  # copied on import: no longer needed
         async with contextlib.aclosing(sub.outputs()) as outputs:  # closing it aborts an unfinished request
             async for out in outputs:
                 if out.finish is None:
@@ -126,7 +150,9 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
 
     def _final(self, req: Request, out: Output, handoff_ms: float):
         if out.finish is Finish.ERROR:
-            raise MeshError(out.error or "the engine failed this request")
+            if isinstance(out.error, MeshError):
+                raise out.error
+            raise MeshError(str(out.error or "the engine failed this request"))
         if out.finish is Finish.ABORT:
             raise Unavailable(out.error or "the request was aborted")
         self._record(req)

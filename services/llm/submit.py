@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import torch
 
@@ -60,8 +60,12 @@ def submit(
     features: list[torch.Tensor],
     sampling: Sampling,
     qos: QosLevel,
+    lease_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None,
 ) -> Submission:
-    """Build the prompt (INVALID_ARGUMENT if it leaves no room) and hand the request to the engine."""
+    """Build the prompt (INVALID_ARGUMENT if it leaves no room) and hand the request to the engine.
+
+    `lease_hooks` (verify, release) go with features that alias the vision arena.
+    """
     spec = prompts.spec
     built = prompts.build(prompt, len(features))
     room = spec.text.max_context - len(built.ids)
@@ -86,5 +90,7 @@ def submit(
         detok=Detokenizer(prompts.tokenizer, sampling.stop),
         emit=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),  # engine thread -> this loop
     )
+    if lease_hooks is not None:
+        req.verify_leases, req.release_leases = lease_hooks
     engine.add(req)
     return Submission(engine, req, outputs)

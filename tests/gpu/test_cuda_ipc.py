@@ -18,7 +18,7 @@ from services.common.errors import FailedPrecondition, Unavailable
 from services.common.tensorref import FeatureImporter
 from services.launcher import Mesh
 from services.model.shapes import PROMPTS, encode, render
-from tests.conftest import mesh_options
+from tests.conftest import mesh_options, settle
 from tests.gpu.arena_peer import call, connect, sha256, write
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc, llm_pb2, llm_pb2_grpc, vision_pb2, vision_pb2_grpc
@@ -210,4 +210,7 @@ def test_mesh_on_gpu_uses_cuda_ipc_and_answers_like_the_cpu(tmp_path):
                 ).text
                 for d, p in jobs
             ]
+        # The llm releases each lease after its prefill has read the slot in place: none is left.
+        series = 'vlmesh_arena_slots{arena="cuda",state="leased"}'
+        assert settle(mesh.metrics_ports["vision"], series, 0.0) == 0.0
     assert got == expected

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from services.launcher import free_port
-from tests.conftest import image_bytes
+from tests.conftest import image_bytes, scrape
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -94,11 +94,6 @@ def test_dashboard_and_alerts_use_only_exported_metrics():
     assert used, "no metric found in the dashboard"
     missing = used - exported_names()
     assert not missing, f"the dashboard or alerts use metrics nobody exports: {sorted(missing)}"
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        return resp.read().decode()
 
 
 def send_requests(mesh, n: int) -> None:

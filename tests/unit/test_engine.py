@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.common.errors import FailedPrecondition
 from services.common.qos import QosLevel
 from services.common.sampling import check_sampling
 from services.llm.detokenizer import Detokenizer
@@ -149,3 +150,71 @@ def test_random_preset_runs_without_weights(tmp_path):
         assert parts.vision.spec.image_tokens == 16  # (56 / 14) ** 2
     finally:
         parts.engine.stop()
+
+
+class Leases:
+    """Lease hooks as the llm servicer attaches them to features read in place."""
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.verified = self.released = 0
+        self.fail_on = fail_on
+
+    def verify(self) -> None:
+        self.verified += 1
+        if self.verified == self.fail_on:
+            raise FailedPrecondition("tensor reference is stale: its lease was released, expired or never issued")
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def with_leases(pair, leases: Leases):
+    pair[0].verify_leases, pair[0].release_leases = leases.verify, leases.release
+    pair[1]["errors"] = []
+    emit = pair[0].emit
+
+    def keep_error(out):
+        if out.error is not None:
+            pair[1]["errors"].append(out.error)
+        emit(out)
+
+    pair[0].emit = keep_error
+    return pair
+
+
+def test_leases_verified_around_the_prefill_then_released_once(parts):
+    leases = Leases()
+    plain = parts.request(5, PROMPTS[0], max_tokens=4)
+    held = with_leases(parts.request(5, PROMPTS[0], max_tokens=4), leases)
+    parts.run(plain, held)
+    assert held[1]["ids"] == plain[1]["ids"] and held[1]["finish"] is Finish.LENGTH
+    assert (leases.verified, leases.released) == (2, 1)  # before and after the prefill read the features
+
+
+@pytest.mark.parametrize("fail_on", [1, 2], ids=["lost-while-waiting", "lost-while-read"])
+def test_a_lost_lease_fails_the_request_with_failed_precondition(parts, fail_on):
+    leases = Leases(fail_on=fail_on)
+    pair = with_leases(parts.request(6, PROMPTS[1], max_tokens=4), leases)
+    parts.run(pair)
+    assert pair[1]["finish"] is Finish.ERROR and pair[1]["ids"] == []  # no token computed from reused memory
+    assert isinstance(pair[1]["errors"][0], FailedPrecondition)
+    assert leases.released == 1
+    assert parts.engine.scheduler.slots.free == parts.engine.scheduler.slots.n
+    after = parts.request(6, PROMPTS[1], max_tokens=4)
+    parts.run(after)  # the engine keeps serving
+    assert after[1]["finish"] is Finish.LENGTH
+
+
+def test_abort_while_waiting_releases_the_leases(parts):
+    # Fill the 3 slots with long requests so the held one waits, then abort it.
+    busy = [parts.request(7 + i, PROMPTS[0], max_tokens=60, min_tokens=60) for i in range(3)]
+    for req, _ in busy:
+        parts.engine.add(req)
+    leases = Leases()
+    held = with_leases(parts.request(9, PROMPTS[0], max_tokens=4), leases)
+    parts.engine.add(held[0])
+    parts.engine.abort(held[0].id)
+    assert held[1]["done"].wait(60) and held[1]["finish"] is Finish.ABORT
+    assert leases.released == 1
+    for _, box in busy:
+        assert box["done"].wait(60)
