@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -88,6 +89,7 @@ class InprocessTarget:
     name = "inprocess"
 
     def __init__(self, model_dir: str, device: str, dtype: str, max_vision_batch: int, max_llm_batch: int) -> None:
+        from services.common.config import SWITCH_INTERVAL_MS
         from services.llm.engine import Engine
         from services.llm.runner import ModelRunner
         from services.model.prompt import PromptBuilder
@@ -95,6 +97,7 @@ class InprocessTarget:
         from services.vision.batcher import VisionBatcher
         from services.vision.encoder import VisionEncoder
 
+        sys.setswitchinterval(SWITCH_INTERVAL_MS / 1000)  # as the servers do: the same runtime, minus gRPC
         spec = load_spec(model_dir)
         self.prompts = PromptBuilder(spec)
         self.encoder = VisionEncoder(spec, device, dtype)

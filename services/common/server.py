@@ -116,6 +116,7 @@ def run_service(
         print(f"vlmesh serve {name}: error: {err}", file=sys.stderr)
         return 2
     setup_logging(cfg.server.log_level, name, cfg.server.log_format)  # type: ignore[attr-defined]
+    sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)  # type: ignore[attr-defined]
     try:
         telemetry.setup_tracing(name)
         if cfg.server.metrics_port >= 0:  # type: ignore[attr-defined]
