@@ -38,6 +38,16 @@ QUEUE_DEPTH = Gauge("vlmesh_queue_depth", "Requests waiting", ["service", "qos_l
 QUEUE_WAIT = Histogram(
     "vlmesh_queue_wait_seconds", "Time from enqueue to start of work", ["service", "qos_level"], buckets=LATENCY_BUCKETS
 )
+PREEMPTIONS = Counter(
+    "vlmesh_preemptions_total", "Running requests preempted for a higher class", ["service", "qos_level"]
+)
+ADMISSIONS = Counter("vlmesh_admissions_total", "Requests admitted at the gateway", ["qos_level"])
+REJECTIONS = Counter(
+    "vlmesh_rejections_total",
+    "Requests refused before any work: auth, tenant limits, queue limits, budgets",
+    ["service", "qos_level", "reason"],
+)
+IN_FLIGHT = Gauge("vlmesh_in_flight", "Admitted requests not yet answered (gateway)", ["qos_level"])
 STAGE_DURATION = Histogram(
     "vlmesh_stage_duration_seconds", "Time spent in one stage of a request", ["stage"], buckets=LATENCY_BUCKETS
 )

@@ -13,6 +13,7 @@ import time
 
 from services.common.errors import MeshError
 from services.common.metrics import BATCH_SIZE, KV_SLOTS
+from services.common.qos import QosLevel
 from services.llm.request import Finish, Output, Request
 from services.llm.runner import ModelRunner
 from services.llm.scheduler import Scheduler
@@ -96,12 +97,17 @@ class Engine:
     def _step(self, plan) -> None:
         now = time.perf_counter()
         for req in plan.prefill:
-            req.scheduled_at = now
-            req.generator = None if req.sampling.greedy else self.runner.new_generator(req.sampling.seed)
+            resumed = bool(req.preempted_at)  # recompute: the prompt and every token generated so far
+            if not resumed:
+                req.scheduled_at = now
+                req.generator = None if req.sampling.greedy else self.runner.new_generator(req.sampling.seed)
             try:
                 if req.verify_leases:
                     req.verify_leases()  # not reclaimed while the request waited
                 logits = self.runner.prefill(req)
+                if req.verify_leases and req.qos is QosLevel.BEST_EFFORT:
+                    # It may be preempted and recomputed after its leases are gone: keep a copy.
+                    req.image_features = [f.clone() for f in req.image_features]
                 tokens = self.runner.sample([req], logits)  # a host sync: the prefill has read the features
                 if req.verify_leases:
                     req.verify_leases()  # and they were not reused while it read them
@@ -109,7 +115,8 @@ class Engine:
                 self._finish(req, Finish.ERROR, err)
                 continue
             req.drop_leases()
-            req.prefill_done_at = time.perf_counter()
+            if not resumed:
+                req.prefill_done_at = time.perf_counter()
             self._postprocess([req], tokens)
         decode = [r for r in plan.decode if r.slot >= 0]
         if decode:

@@ -53,6 +53,7 @@ class Request:
     # the leases still hold; `release_leases` hands them back (once, see drop_leases).
     verify_leases: Callable[[], None] | None = None
     release_leases: Callable[[], None] | None = None
+    preempted_at: list[float] = field(default_factory=list)  # scheduler clock, once per preemption
     # Stage clocks (perf_counter seconds), for the final message's timings.
     scheduled_at: float = 0.0
     prefill_done_at: float = 0.0

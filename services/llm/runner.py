@@ -42,9 +42,9 @@ class ModelRunner:
             device,
         )
 
-    def _embed_prompt(self, req: Request) -> torch.Tensor:
+    def _embed_prompt(self, req: Request, ids: list[int]) -> torch.Tensor:
         """Token embeddings with each image's features scattered in: [1, T, H]."""
-        ids = torch.tensor(req.prompt_ids, device=self.device)
+        ids = torch.tensor(ids, device=self.device)
         embeds = self.model.embed_tokens(ids)  # [T, H]
         for pos, feats in zip(req.image_positions, req.image_features, strict=True):
             embeds[pos : pos + feats.shape[0]] = feats.to(self.device, self.dtype, non_blocking=True)
@@ -52,13 +52,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, req: Request) -> torch.Tensor:
-        """Run the whole prompt; fill the request's cache row; return last logits [1, vocab]."""
-        t = req.prompt_len
+        """Run the whole prompt; fill the request's cache row; return last logits [1, vocab].
+
+        A request resumed after preemption recomputes its generated tokens too.
+        """
+        ids = req.prompt_ids + req.output_ids
+        t = len(ids)
         positions = self.positions[:t][None]  # [1, T]
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, self.dtype)
         slots = torch.tensor([req.slot], device=self.device)
         logits = self.model(
-            self._embed_prompt(req),
+            self._embed_prompt(req, ids),
             cos,
             sin,
             self.k_cache,

@@ -3,6 +3,13 @@
 Each step it admits waiting requests into free KV slots in QoS order (class, aged by
 waiting time, then arrival) and decodes every running request once. The plan is the
 contract with the model runner.
+
+Preemption: when every slot is taken and a realtime request heads the queue, the scheduler
+takes the slot of a running best-effort request that still competes below it (a best-effort
+request ages into the realtime class after 2 x AGING_S, and from then on is not preempted,
+so none is preempted forever). The victim is the one with the fewest generated tokens (the
+least work lost). It goes back to the queue with its tokens and is resumed by recomputation:
+its next prefill runs over the prompt and every token it has generated.
 """
 
 from __future__ import annotations
@@ -11,8 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.common.metrics import QUEUE_DEPTH
-from services.common.qos import AGING_S, effective_class
+from services.common.metrics import PREEMPTIONS, QUEUE_DEPTH
+from services.common.qos import AGING_S, QosLevel, effective_class
 from services.llm.request import Request
 
 
@@ -36,8 +43,9 @@ class SlotPool:
 
 @dataclass
 class Plan:
-    prefill: list[Request] = field(default_factory=list)
+    prefill: list[Request] = field(default_factory=list)  # new, or resumed after preemption
     decode: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -62,21 +70,59 @@ class Scheduler:
         return len(self._waiting)
 
     def schedule(self) -> Plan:
-        plan = Plan(decode=list(self.running))
-        if not (self._waiting and self.slots.free):
-            return plan
-        now = self.clock()
-        # Sorting a short queue when a slot is free costs less than keeping an aged heap.
-        self._waiting.sort(key=lambda r: (effective_class(r.qos, now - r.arrival, self.aging_s), r.arrival))
-        while self._waiting and self.slots.free:
-            req = self._waiting.pop(0)
-            QUEUE_DEPTH.labels("llm", req.qos.wire).dec()
-            if req.aborted:
-                continue
-            req.slot = self.slots.take()
-            plan.prefill.append(req)
-            self.running.append(req)
+        plan = Plan()
+        if self._waiting and (self.slots.free or self._realtime_waiting()):
+            now = self.clock()
+            # Sorting a short queue when a slot is free costs less than keeping an aged heap.
+            self._waiting.sort(key=lambda r: (self._class(r, now), r.arrival))
+            while self._waiting:
+                req = self._waiting[0]
+                if req.aborted:
+                    self._pop()
+                    continue
+                if not self.slots.free:
+                    victim = self._victim(req, now)
+                    if victim is None:
+                        break
+                    self._preempt(victim, now)
+                    plan.preempted.append(victim)
+                self._pop()
+                req.slot = self.slots.take()
+                plan.prefill.append(req)
+                self.running.append(req)
+        plan.decode = [r for r in self.running if r not in plan.prefill]
         return plan
+
+    def _class(self, req: Request, now: float) -> int:
+        return effective_class(req.qos, now - req.arrival, self.aging_s)
+
+    def _realtime_waiting(self) -> bool:
+        return any(r.qos is QosLevel.REALTIME for r in self._waiting)
+
+    def _pop(self) -> Request:
+        req = self._waiting.pop(0)
+        QUEUE_DEPTH.labels("llm", req.qos.wire).dec()
+        return req
+
+    def _victim(self, head: Request, now: float) -> Request | None:
+        """A running best-effort request that a realtime `head` may preempt, or None."""
+        if head.qos is not QosLevel.REALTIME:
+            return None
+        rank = self._class(head, now)
+        candidates = [
+            r for r in self.running if r.qos is QosLevel.BEST_EFFORT and self._class(r, now) > rank and not r.aborted
+        ]
+        return min(candidates, key=lambda r: (len(r.output_ids), -r.arrival), default=None)
+
+    def _preempt(self, req: Request, now: float) -> None:
+        """Free a running request's slot and queue it again; it resumes by recomputation."""
+        self.running.remove(req)
+        self.slots.give(req.slot)
+        req.slot, req.computed = -1, 0
+        req.preempted_at.append(now)
+        self._waiting.append(req)
+        QUEUE_DEPTH.labels("llm", req.qos.wire).inc()
+        PREEMPTIONS.labels("llm", req.qos.wire).inc()
 
     def finish(self, req: Request) -> None:
         """Free a request's slot (finished, aborted or failed)."""

@@ -184,8 +184,8 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             "llm.decode",
             req.prefill_done_at,
             req.finished_at,
-            {"gen_ai.usage.output_tokens": len(req.output_ids)},
-            events=[("first_token", req.prefill_done_at)],
+            {"gen_ai.usage.output_tokens": len(req.output_ids), "llm.preemptions": len(req.preempted_at)},
+            events=[("first_token", req.prefill_done_at)] + [("preempted", t) for t in req.preempted_at],
         )
         metrics.QUEUE_WAIT.labels("llm", req.qos.wire).observe(req.scheduled_at - req.arrival)
         metrics.STAGE_DURATION.labels("prefill").observe(req.prefill_done_at - req.scheduled_at)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,9 @@ class Parts:
         self.engine.start()
         self._n = 0
 
-    def request(self, image: int | bytes, prompt: str, **sampling) -> tuple[Request, dict]:
+    def request(
+        self, image: int | bytes, prompt: str, qos: QosLevel = QosLevel.STANDARD, **sampling
+    ) -> tuple[Request, dict]:
         """`image`: encoded bytes, or a seed for a random-noise picture."""
         data = image_bytes(image) if isinstance(image, int) else image
         feats = self.vision.encode(self.vision.pixels(data)[None])[0]
@@ -56,7 +59,7 @@ class Parts:
             text_tokens=built.text_tokens,
             sampling=s,
             max_new=s.max_tokens or 64,
-            qos=QosLevel.STANDARD,
+            qos=qos,
             detok=Detokenizer(self.prompts.tokenizer, s.stop),
             emit=emit,
         )
@@ -218,3 +221,28 @@ def test_abort_while_waiting_releases_the_leases(parts):
     assert leases.released == 1
     for _, box in busy:
         assert box["done"].wait(60)
+
+
+def test_realtime_overtakes_a_full_batch_of_best_effort_and_the_preempted_finish_correctly(parts):
+    """3 slots busy with best-effort decodes; a realtime request takes one at once (preemption)."""
+    jobs = [(40 + i, PROMPTS[i], {"max_tokens": 40, "min_tokens": 40}) for i in range(3)]
+    alone = [parts.request(img, prompt, **s) for img, prompt, s in jobs]
+    parts.run(*alone)  # the reference: never preempted
+    be = [parts.request(img, prompt, QosLevel.BEST_EFFORT, **s) for img, prompt, s in jobs]
+    for req, _ in be:
+        parts.engine.add(req)
+    deadline = time.monotonic() + 30
+    while min(len(box["ids"]) for _, box in be) < 5:  # all three are decoding
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    rt = parts.request(50, PROMPTS[3], QosLevel.REALTIME, max_tokens=4, min_tokens=4)
+    parts.run(rt)
+    preempted = [pair for pair in be if pair[0].preempted_at]
+    assert len(preempted) == 1, "the realtime request should have taken exactly one best-effort slot"
+    assert not preempted[0][1]["done"].is_set(), "the realtime request finished before the one it preempted"
+    for _, box in be:
+        assert box["done"].wait(60)
+    for (_, want), (_, got) in zip(alone, be, strict=True):
+        assert got["finish"] is Finish.LENGTH and got["ids"] == want["ids"]  # recomputed, same tokens
+        assert got["text"] == want["text"]
+    assert parts.engine.load == {"running": 0, "waiting": 0, "free_slots": 3}
