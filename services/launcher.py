@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.logs import LOG_LEVELS
+from services.gateway.admission import add_admission_args, admission_argv, admission_config
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
@@ -58,6 +59,7 @@ class MeshOptions:
     warmup_requests: int = 10
     log_level: str = "info"
     tenants: str | None = None
+    admission_flags: tuple[str, ...] = ()  # --max-in-flight and the budgets, passed to the gateway
     start_timeout_s: float = 180.0
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -155,7 +157,15 @@ class Mesh:
         )
         self._wait_healthy([vision, llm], deadline)
         progress(f"vision and llm are healthy; starting gateway on {self.target('gateway')}")
-        gateway_args = ["--vision-target", self.target("vision"), "--llm-target", self.target("llm")]
+        gateway_args = [
+            "--vision-target",
+            self.target("vision"),
+            "--llm-target",
+            self.target("llm"),
+            "--admission-parallelism",
+            str(o.max_llm_batch),
+            *o.admission_flags,
+        ]
         if o.tenants:
             gateway_args += ["--tenants", o.tenants]
         gateway = self._spawn("gateway", gateway_args)
@@ -290,6 +300,7 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
         help="JSON tenants file (API keys, max qos-level, rate limits); auth is off without it",
     )
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_admission_args(p)
 
 
 def options_from_args(args: argparse.Namespace) -> MeshOptions:
@@ -310,6 +321,7 @@ def options_from_args(args: argparse.Namespace) -> MeshOptions:
         warmup_requests=args.warmup_requests,
         metrics_ports=tuple(int(x) for x in args.metrics_ports.split(",")),
         tenants=args.tenants,
+        admission_flags=tuple(admission_argv(args)),
         log_level=args.log_level,
     )
 
@@ -322,6 +334,10 @@ def up(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from services.model.presets import resolve_model
 
+    try:
+        admission_config(args, args.max_llm_batch)  # a bad admission flag fails here, not in the gateway
+    except ValueError as err:
+        p.error(str(err))
     args.model = resolve_model(args.model)  # preset:NAME -> its directory, made once before the children start
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model}: not a checkpoint directory (no config.json)")

@@ -102,11 +102,14 @@ def sample(text: str, series: str) -> float | None:
     return None
 
 
-def settle(port: int, series: str, want: float, timeout: float = 10.0) -> float | None:
-    """Poll a series until it equals `want` (releases are asynchronous); return the last value seen."""
+def settle(port: int, series: str, want: float, timeout: float = 10.0, absent_is_zero: bool = False) -> float | None:
+    """Poll a series until it equals `want` (releases are asynchronous); return the last value seen.
+
+    `absent_is_zero`: a labelled gauge that was never touched is not exported; count it as 0.
+    """
     deadline = time.monotonic() + timeout
     while True:
         got = sample(scrape(port), series)
-        if got == want or time.monotonic() > deadline:
+        if got == want or (absent_is_zero and got is None and want == 0) or time.monotonic() > deadline:
             return got
         time.sleep(0.1)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ class MeshError(Exception):
     """Base of every error the mesh reports to a caller."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    reason: str | None = None  # why it was refused, for metrics (e.g. "queue_full"); None: from the code
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -76,6 +78,28 @@ _PASS_THROUGH = frozenset(
 )
 
 
+_RETRY_SUFFIX = re.compile(r" \(retry after ([0-9.]+)s\)$")
+
+
+def _retry_after(err: grpc.RpcError, details: str | None) -> float:
+    """RetryInfo from the status details; else the delay our messages end with; else 1 s."""
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    raw = next((v for k, v in trailing or () if k == "grpc-status-details-bin"), None)
+    if raw:
+        try:
+            from google.rpc import error_details_pb2, status_pb2
+
+            for detail in status_pb2.Status.FromString(raw).details:
+                if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                    info = error_details_pb2.RetryInfo()
+                    detail.Unpack(info)
+                    return info.retry_delay.ToNanoseconds() / 1e9
+        except Exception:  # a malformed detail: fall back to the message
+            pass
+    found = _RETRY_SUFFIX.search(details or "")
+    return float(found.group(1)) if found else 1.0
+
+
 def from_rpc_error(err: grpc.RpcError, peer: str) -> MeshError:
     """Carry a downstream status upstream.
 
@@ -84,6 +108,9 @@ def from_rpc_error(err: grpc.RpcError, peer: str) -> MeshError:
     """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # keep when to retry
+        message = _RETRY_SUFFIX.sub("", details or f"{peer}: {code.name}")
+        return ResourceExhausted(message, retry_after_s=_retry_after(err, details))
     if code in _PASS_THROUGH:
         out = MeshError(details or f"{peer}: {code.name}")
         out.code = code

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from services.common.config import ServerConfig, add_server_args, server_config
+from services.gateway.admission import AdmissionConfig, add_admission_args, admission_config
 
 DEFAULT_PORT = 50051
 
@@ -17,9 +18,11 @@ class GatewayConfig:
     llm_target: str
     max_images: int
     tenants: str | None
+    admission: AdmissionConfig
 
     def check(self) -> None:
         self.server.check()
+        self.admission.check()
         for flag, target in (("--vision-target", self.vision_target), ("--llm-target", self.llm_target)):
             if ":" not in target:
                 raise ValueError(f"{flag} {target!r} must be HOST:PORT (or unix:PATH)")
@@ -42,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="JSON file of tenants (API keys, max qos-level, rate limits); auth is off without it",
     )
+    add_admission_args(p)
+    p.add_argument(
+        "--admission-parallelism",
+        type=int,
+        default=8,
+        help="requests the mesh serves at once, for the admission estimate: the llm's --max-llm-batch "
+        "(default %(default)s; vlmesh up passes it on)",
+    )
     return p
 
 
@@ -53,6 +64,7 @@ def parse(argv: list[str] | None = None) -> GatewayConfig:
         llm_target=args.llm_target,
         max_images=args.max_images,
         tenants=args.tenants,
+        admission=admission_config(args, args.admission_parallelism),
     )
     cfg.check()
     return cfg

@@ -15,7 +15,7 @@ log = logging.getLogger("gateway")
 
 async def serve(cfg: gateway_config.GatewayConfig) -> None:
     tenants = TenantRegistry.load(cfg.tenants) if cfg.tenants else None
-    servicer = GatewayServicer(cfg.vision_target, cfg.llm_target, cfg.max_images, tenants)
+    servicer = GatewayServicer(cfg.vision_target, cfg.llm_target, cfg.max_images, tenants, cfg.admission)
     running = await start_server(
         cfg.server.host,
         cfg.server.port,

@@ -7,33 +7,49 @@ remaining deadline, travel to every downstream call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import grpc
 
 from services.common import errors, metrics, telemetry
-from services.common.errors import InvalidArgument, Unavailable, from_rpc_error
+from services.common.errors import InvalidArgument, MeshError, Unavailable, from_rpc_error
 from services.common.logs import request_context
-from services.common.qos import qos_from_metadata, qos_metadata
+from services.common.qos import QosLevel, qos_from_metadata, qos_metadata
 from services.common.sampling import check_sampling
 from services.common.server import GRPC_OPTIONS
 from services.common.validation import check_images, check_prompt
-from services.gateway.tenants import TenantRegistry
+from services.gateway.admission import Admission, AdmissionConfig, Ticket
+from services.gateway.tenants import Tenant, TenantRegistry
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc, llm_pb2, llm_pb2_grpc, vision_pb2, vision_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 128
+# Refusals at admission, by status, for vlmesh_rejections_total (admission's own set their reason).
+REFUSAL_REASONS = {
+    grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
+    grpc.StatusCode.PERMISSION_DENIED: "permission_denied",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "rate_limited",
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
+}
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(
-        self, vision_target: str, llm_target: str, max_images: int, tenants: TenantRegistry | None = None
+        self,
+        vision_target: str,
+        llm_target: str,
+        max_images: int,
+        tenants: TenantRegistry | None = None,
+        admission: AdmissionConfig | None = None,
     ) -> None:
         self.tenants = tenants
+        self.admission = Admission(admission or AdmissionConfig())
         interceptors = telemetry.client_interceptors()  # W3C trace context into the metadata
         self.vision = vision_pb2_grpc.VisionStub(
             grpc.aio.insecure_channel(vision_target, options=GRPC_OPTIONS, interceptors=interceptors)
@@ -67,24 +83,41 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         request_id = request.request_id[:MAX_REQUEST_ID_CHARS] or uuid.uuid4().hex
         root = telemetry.current_span()  # the RPC's server span: the trace's root
         telemetry.annotate({"request.id": request_id}, root)
-        with telemetry.span("gateway.admission"):
-            metadata_in = context.invocation_metadata()
-            tenant = self.tenants.authenticate(metadata_in) if self.tenants else None
-            tenant_id = tenant.id if tenant else "anonymous"
-            telemetry.annotate({"tenant.id": tenant_id}, root)
-            request_context(request_id, tenant_id)
-            qos = qos_from_metadata(metadata_in)
-            telemetry.annotate({"qos.level": qos.wire}, root)
-            if tenant is not None:
-                self.tenants.admit(tenant, qos)
-            if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-                raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
-            check_images(request.images, self.max_images)
-            check_prompt(request.prompt)
-            info = await self.llm_info()
-            if request.model and request.model != info.model_id:
-                raise InvalidArgument(f"model {request.model!r} is not served here; this mesh serves {info.model_id!r}")
-            sampling = check_sampling(request.sampling, info.max_context)
+        with telemetry.span("gateway.admission") as span:
+            qos = None
+            try:
+                metadata_in = context.invocation_metadata()
+                tenant = self.tenants.authenticate(metadata_in) if self.tenants else None
+                tenant_id = tenant.id if tenant else "anonymous"
+                telemetry.annotate({"tenant.id": tenant_id}, root)
+                request_context(request_id, tenant_id)
+                qos = qos_from_metadata(metadata_in)
+                telemetry.annotate({"qos.level": qos.wire}, root)
+                if tenant is not None:
+                    self.tenants.admit(tenant, qos)
+                if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+                    raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+                check_images(request.images, self.max_images)
+                check_prompt(request.prompt)
+                info = await self.llm_info()
+                if request.model and request.model != info.model_id:
+                    raise InvalidArgument(
+                        f"model {request.model!r} is not served here; this mesh serves {info.model_id!r}"
+                    )
+                sampling = check_sampling(request.sampling, info.max_context)
+                # The fewest tokens the request will surely generate: admission refuses only work that
+                # cannot finish in time, not work that might stop early at EOS.
+                surely = (
+                    (sampling.max_tokens or info.default_max_tokens) if sampling.ignore_eos else sampling.min_tokens
+                )
+                ticket = self.admission.admit(qos, context.time_remaining(), max(1, surely))
+            except MeshError as err:
+                reason = err.reason or REFUSAL_REASONS.get(err.code, err.code.name.lower())
+                level = qos.wire if qos is not None else "unknown"
+                metrics.REJECTIONS.labels("gateway", level, reason).inc()
+                telemetry.annotate({"admission.decision": "refused", "admission.reason": reason}, span)
+                raise
+            telemetry.annotate({"admission.decision": "admitted"}, span)
         telemetry.annotate(
             {
                 "model.id": info.model_id,
@@ -94,6 +127,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 "gen_ai.request.temperature": sampling.temperature,
             }
         )
+        try:
+            # aclosing: a cancelled client closes the inner generator at once (llm call, leases).
+            serve = self._serve(request, context, request_id, tenant, qos, info, ticket, received)
+            async with contextlib.aclosing(serve) as outputs:
+                async for out in outputs:
+                    yield out
+        finally:
+            self.admission.finish(ticket)  # whatever the outcome; no-op after an answered request
+
+    async def _serve(
+        self,
+        request: gateway_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
+        request_id: str,
+        tenant: Tenant | None,
+        qos: QosLevel,
+        info: pb.ServiceInfo,
+        ticket: Ticket,
+        received: float,
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """Encode, then relay the llm's stream; the last message carries usage and timings."""
         metadata = qos_metadata(qos)
         admitted = time.perf_counter()
         consumer = pb.ConsumerInfo(host_id=info.host_id, gpu_uuid=info.gpu_uuid, accept=info.transports)
@@ -127,6 +181,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     out = gateway_pb2.GenerateResponse(request_id=request_id, text=msg.text, token_ids=msg.token_ids)
                     if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                         self._finish(out, msg, encoded.timings, qos, received, admitted, first_token_at)
+                        t = out.timings
+                        self.admission.finish(
+                            ticket,
+                            {
+                                "preprocess": t.preprocess_ms,
+                                "vision": t.vision_ms,
+                                "prefill": t.prefill_ms,
+                                "decode": t.decode_ms,
+                            },
+                            msg.usage.output_tokens,
+                        )
                         if tenant is not None and tenant.tokens is not None:
                             tenant.tokens.charge(msg.usage.output_tokens)
                     yield out

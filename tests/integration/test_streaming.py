@@ -56,9 +56,14 @@ def test_cancelled_and_expired_requests_free_their_slots(mesh, stub):
         call = stub.Generate(request(400), timeout=60)
         next(call)  # decoding has started
         call.cancel()
+    # No min_tokens: admission cannot know these will run long (greedy here reaches 400 tokens
+    # in about 0.6 s, no EOS), so they are admitted and their deadline passes mid-decode.
+    # With min_tokens=400 admission would refuse them at once (test_qos_admission.py).
+    unbounded = request(400)
+    unbounded.sampling.min_tokens = 0
     for _ in range(10):
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(request(400), timeout=0.3))
+            list(stub.Generate(unbounded, timeout=0.3))
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     start = time.monotonic()
     result = stub.GenerateUnary(request(4), timeout=30)

@@ -1,0 +1,79 @@
+"""Gateway admission without a mesh: limits by class, the estimate, budgets and deadlines."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.common.errors import ResourceExhausted
+from services.common.qos import QosLevel
+from services.gateway.admission import Admission, AdmissionConfig, add_admission_args, admission_config
+
+RT, ST, BE = QosLevel.REALTIME, QosLevel.STANDARD, QosLevel.BEST_EFFORT
+
+
+def config(argv: list[str], parallelism: int = 2) -> AdmissionConfig:
+    p = argparse.ArgumentParser()
+    add_admission_args(p)
+    return admission_config(p.parse_args(argv), parallelism)
+
+
+def test_defaults_scale_with_the_batch_and_flags_override_some_classes():
+    cfg = config([], parallelism=8)
+    assert cfg.max_in_flight == {RT: 64, ST: 48, BE: 24}
+    assert config(["--max-in-flight", "best-effort=5"], 8).max_in_flight == {RT: 64, ST: 48, BE: 5}
+    assert cfg.budget_s(RT) == pytest.approx(0.8 * 5)  # the write-ups' 800 ms of stages, x5
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--max-in-flight", "urgent=3"], "--max-in-flight"),
+        (["--max-in-flight", "standard=0"], "N > 0"),
+        (["--max-in-flight", "realtime=2,standard=4"], "higher class"),
+        (["--max-in-flight", "standard=2.5"], "whole number"),
+        (["--stage-budgets-ms", "network=5"], "--stage-budgets-ms"),
+        (["--class-budget-scale", "realtime=x"], "--class-budget-scale"),
+    ],
+)
+def test_bad_flags_name_the_flag(argv, match):
+    with pytest.raises(ValueError, match=match):
+        config(argv)
+
+
+def test_lower_classes_are_refused_first_and_tickets_end_once():
+    adm = Admission(config(["--max-in-flight", "realtime=4,standard=3,best-effort=2"]))
+    tickets = [adm.admit(ST, None, 1) for _ in range(2)]
+    with pytest.raises(ResourceExhausted) as err:
+        adm.admit(BE, None, 1)
+    assert err.value.reason == "queue_full" and err.value.retry_after_s > 0
+    tickets.append(adm.admit(ST, None, 1))
+    with pytest.raises(ResourceExhausted):
+        adm.admit(ST, None, 1)
+    tickets.append(adm.admit(RT, None, 1))
+    assert adm.in_flight == {RT: 1, ST: 3, BE: 0}
+    for t in tickets:
+        adm.finish(t)
+        adm.finish(t)  # a second end changes nothing
+    assert adm.in_flight == {RT: 0, ST: 0, BE: 0}
+
+
+def test_estimate_counts_only_work_ahead_and_refuses_what_cannot_finish():
+    adm = Admission(config([], parallelism=2))
+    t = adm.admit(ST, None, 1)
+    # 10 + 20 + 30 ms of stages, decode 5 ms per token after the first (21 tokens: 100 ms)
+    adm.finish(t, {"preprocess": 10, "vision": 20, "prefill": 30, "decode": 100}, output_tokens=21)
+    assert adm.estimate_s(ST, 10)[0] == pytest.approx(0.06 + 0.05)
+    held = [adm.admit(BE, None, 1) for _ in range(4)]
+    assert adm.estimate_s(RT, 10)[0] == pytest.approx(0.11)  # best-effort work is not ahead of realtime
+    assert adm.estimate_s(BE, 10) == pytest.approx((0.11 * 3, 0.11 * 2))  # 4 ahead, 2 at a time
+    with pytest.raises(ResourceExhausted) as err:
+        adm.admit(ST, deadline_s=0.05, output_tokens=10)
+    assert err.value.reason == "deadline"
+    with pytest.raises(ResourceExhausted) as err:
+        adm.admit(RT, None, output_tokens=1000)  # 5 s of decode: over realtime's 4 s budget
+    assert err.value.reason == "budget"
+    assert adm.admit(BE, None, output_tokens=1000)  # best-effort's budget is 32 s
+    for h in held:
+        adm.finish(h)
