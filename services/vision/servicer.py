@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from services.common import errors, metrics, telemetry
 from services.common.logs import request_context
+from services.common.priority_pool import PriorityPool
 from services.common.qos import qos_from_metadata
 from services.common.tensorref import transport_name
 from services.common.validation import check_images
@@ -28,7 +28,7 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         self.encoder = encoder
         self.batcher = batcher
         self.exporter = exporter
-        self._preprocess = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="preprocess")
+        self._preprocess = PriorityPool(workers, "preprocess")  # realtime images are decoded first
 
     @errors.unary
     async def Encode(self, request: vision_pb2.EncodeRequest, context: grpc.aio.ServicerContext):
@@ -44,11 +44,13 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         )
         check_images(request.images)
         transport = self.exporter.transport_for(request.consumer)
-        loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         with telemetry.span("vision.preprocess", {"images": len(request.images)}):
             pixels = await asyncio.gather(
-                *(loop.run_in_executor(self._preprocess, self.encoder.pixels, image.data) for image in request.images)
+                *(
+                    asyncio.wrap_future(self._preprocess.submit(qos, self.encoder.pixels, image.data))
+                    for image in request.images
+                )
             )
         preprocess_ms = (time.perf_counter() - t0) * 1000
         metrics.STAGE_DURATION.labels("preprocess").observe(preprocess_ms / 1000)
@@ -82,4 +84,4 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         )
 
     def close(self) -> None:
-        self._preprocess.shutdown(wait=False, cancel_futures=True)
+        self._preprocess.shutdown()
