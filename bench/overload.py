@@ -168,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--factor", type=float, default=3.0, help="offered load / capacity (default %(default)s)")
     p.add_argument("--capacity", type=float, default=None, help="req/s; measured when not given")
     p.add_argument("--capacity-s", type=float, default=10.0, help="closed-loop seconds to measure it")
-    p.add_argument("--unloaded-s", type=float, default=15.0)
+    p.add_argument(
+        "--unloaded-s", type=float, default=25.0, help="seconds of each realtime-alone run (default %(default)s)"
+    )
     p.add_argument("--max-llm-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="torch threads per service (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)

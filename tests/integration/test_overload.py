@@ -1,7 +1,7 @@
 """3x the measured capacity for 30 s, 20% realtime, 60% standard, 20% best-effort (bench/overload.py).
 
 The mesh runs the latency-protection profile of docs/PERF.md (--max-in-flight
-realtime=24,standard=8,best-effort=4). Every request ends answered or refused, realtime is
+realtime=24,standard=4,best-effort=2). Every request ends answered or refused, realtime is
 never refused and keeps its P99 within 2x of its P99 when it has the mesh to itself,
 best-effort absorbs the most refusals, and refusals come back at once.
 """
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_realtime_keeps_its_latency_at_three_times_capacity():
-    profile = ["--max-in-flight", "realtime=24,standard=8,best-effort=4"]
+    profile = ["--max-in-flight", "realtime=24,standard=4,best-effort=2"]
     args = build_parser().parse_args(["--model", str(ROOT / "models" / "demo"), "--duration", "30", "--", *profile])
     result = asyncio.run(run(args))
     print(report(result))
