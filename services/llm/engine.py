@@ -52,6 +52,10 @@ class Engine:
         self._thread.join(timeout=10)
 
     @property
+    def device(self):
+        return self.runner.device
+
+    @property
     def load(self) -> dict[str, int]:
         s = self.scheduler
         return {"running": len(s.running), "waiting": s.waiting, "free_slots": s.slots.free}

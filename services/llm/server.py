@@ -23,9 +23,14 @@ async def serve(cfg: llm_config.LlmConfig) -> None:
     spec = load_spec(cfg.model.path)
     device = resolve_device(cfg.model.device)
     watch_gpu_memory("llm", device)
-    runner = ModelRunner(spec, device, resolve_dtype(cfg.model.dtype, device), cfg.max_batch)
-    engine = Engine(runner, cfg.max_batch)
-    engine.start()
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    if cfg.engine == "vllm":
+        from services.llm.vllm_engine import VllmEngine
+
+        engine = VllmEngine(spec, dtype, cfg.max_batch)
+    else:
+        engine = Engine(ModelRunner(spec, device, dtype, cfg.max_batch), cfg.max_batch)
+        engine.start()
     servicer = LlmServicer(engine, PromptBuilder(spec), cfg.default_max_tokens, cfg.vision_target)
     try:
         running = await start_server(
@@ -34,7 +39,9 @@ async def serve(cfg: llm_config.LlmConfig) -> None:
             [lambda s: llm_pb2_grpc.add_LlmServicer_to_server(servicer, s)],
             [llm_pb2.DESCRIPTOR.services_by_name["Llm"].full_name],
         )
-        log.info("llm serving on %s:%d (max batch %d)", cfg.server.host, running.port, cfg.max_batch)
+        log.info(
+            "llm serving on %s:%d (%s engine, max batch %d)", cfg.server.host, running.port, cfg.engine, cfg.max_batch
+        )
         await serve_until_signal(running, cfg.server.grace_s)
     finally:
         engine.stop()

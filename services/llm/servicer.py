@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from services.common.validation import check_prompt
 from services.llm.engine import Engine
 from services.llm.request import Finish, Output, Request
 from services.llm.submit import submit
+from services.llm.vllm_engine import VllmEngine
 from services.model.prompt import PromptBuilder
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import llm_pb2, llm_pb2_grpc, vision_pb2, vision_pb2_grpc
@@ -38,18 +40,24 @@ FINISH_TO_PB = {Finish.STOP: pb.FINISH_REASON_STOP, Finish.LENGTH: pb.FINISH_REA
 
 
 class LlmServicer(llm_pb2_grpc.LlmServicer):
-    def __init__(self, engine: Engine, prompts: PromptBuilder, default_max_tokens: int, vision_target: str | None):
+    def __init__(
+        self, engine: Engine | VllmEngine, prompts: PromptBuilder, default_max_tokens: int, vision_target: str | None
+    ):
         self.engine = engine
+        # The native engine reads CUDA features in place (leases held to its prefill); vLLM copies
+        # every feature into prompt_embeds at submit, so its leases go at once.
+        self.zero_copy = isinstance(engine, Engine)
+        self._submit = functools.partial(submit, engine) if self.zero_copy else engine.submit
         self.prompts = prompts
         self.spec = prompts.spec
         self.default_max_tokens = default_max_tokens
-        self.importer = FeatureImporter(engine.runner.device)
+        self.importer = FeatureImporter(engine.device)
         self.host = host_id()
         self.gpu_uuid = ""
-        if engine.runner.device.type == "cuda":
+        if engine.device.type == "cuda":
             from services.common.cuda_arena import gpu_uuid
 
-            self.gpu_uuid = gpu_uuid(engine.runner.device)
+            self.gpu_uuid = gpu_uuid(engine.device)
         self._vision = None
         if vision_target:
             channel = grpc.aio.insecure_channel(vision_target, interceptors=telemetry.client_interceptors())
@@ -126,8 +134,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             with telemetry.span("handoff.import", {"transport": ",".join(kinds)}):
                 features = self._import_features(refs)
             handoff_ms = (time.perf_counter() - t0) * 1000
-            sub = submit(
-                self.engine,
+            sub = self._submit(
                 self.prompts,
                 self.default_max_tokens,
                 request.request_id,
@@ -135,12 +142,13 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
                 features,
                 sampling,
                 qos,
-                self._lease_hooks(refs),
+                self._lease_hooks(refs) if self.zero_copy else None,
             )
         except BaseException:
             await self._release(refs)  # answered only once the slots are back
             raise
-        self._release_soon([r for r in refs if not holds_lease(r)])  # copied on import: no longer needed
+        # Copied by now (on import, or into vLLM's prompt_embeds): no longer needed.
+        self._release_soon([r for r in refs if not (self.zero_copy and holds_lease(r))])
         async with contextlib.aclosing(sub.outputs()) as outputs:  # closing it aborts an unfinished request
             async for out in outputs:
                 if out.finish is None:

@@ -1,0 +1,196 @@
+"""vLLM as the llm engine (`--llm-engine vllm`): the mesh's QoS, tracing and hand-off around it.
+
+vLLM serves the checkpoint's language model alone, as a Llama checkpoint exported once next
+to the run (`.cache/vllm-text/`); the prompt goes to it as `prompt_embeds`: the token
+embeddings of the chat prompt from the checkpoint's own embedding table, with each image's
+features written over its placeholder positions ([T, H], the same tensor the native engine
+builds). Requests run under vLLM's `AsyncLLM` with the priority scheduling policy, the
+`qos-level` as the priority (realtime 0 first), streamed as deltas; closing the stream early
+(cancel, deadline) aborts the request in vLLM.
+
+Limit: vLLM's front end copies `prompt_embeds` to its engine core (another process unless
+VLLM_ENABLE_V1_MULTIPROCESSING=0), so zero copy ends at the front end. The copy is counted
+in vlmesh_handoffs_total{transport="VLLM_PROMPT_EMBEDS"} and its bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.common.errors import InvalidArgument
+from services.common.metrics import HANDOFF_BYTES, HANDOFFS, KV_SLOTS
+from services.common.qos import QosLevel
+from services.common.sampling import Sampling
+from services.llm.detokenizer import Detokenizer
+from services.llm.request import Finish, Output, Request
+from services.model.checkpoint import load_decoder
+from services.model.prompt import PromptBuilder
+from services.model.spec import LlavaSpec
+
+log = logging.getLogger(__name__)
+
+TRANSPORT = "VLLM_PROMPT_EMBEDS"
+_ids = itertools.count()
+FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
+
+
+def export_text_model(spec: LlavaSpec, dtype: torch.dtype, root: Path = Path(".cache/vllm-text")) -> Path:
+    """The checkpoint's decoder as a LlamaForCausalLM directory (weights, config, tokenizer); made once."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    key = hashlib.sha256(f"{spec.model_dir.resolve()}|{spec.model_id}|{dtype}".encode()).hexdigest()[:16]
+    out = root / key
+    if (out / "model.safetensors").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    decoder = load_decoder(spec, torch.device("cpu"), dtype)
+    # Our module names are the Llama ones: embed_tokens, layers.N.*, norm under `model.`, then lm_head.
+    state = {(k if k.startswith("lm_head.") else f"model.{k}"): v.contiguous() for k, v in decoder.state_dict().items()}
+    if spec.text.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    text = spec.hf_config.text_config
+    text.architectures = ["MistralForCausalLM" if text.model_type == "mistral" else "LlamaForCausalLM"]
+    text.torch_dtype = dtype
+    text.save_pretrained(out)
+    AutoTokenizer.from_pretrained(spec.model_dir, local_files_only=True).save_pretrained(out)
+    save_file(state, str(out / "model.safetensors"))
+    log.info("exported the language model for vLLM to %s", out)
+    return out
+
+
+class VllmSubmission:
+    """One request in vLLM: `outputs()` as the native engine's, and a Request for timings and usage."""
+
+    def __init__(self, engine: VllmEngine, req: Request, embeds: torch.Tensor, params) -> None:
+        self.engine, self.req, self._embeds, self._params = engine, req, embeds, params
+
+    async def outputs(self) -> AsyncIterator[Output]:
+        req, finished = self.req, False
+        stream = self.engine.llm.generate({"prompt_embeds": self._embeds}, self._params, req.id, priority=int(req.qos))
+        self._embeds = None  # vLLM holds its copy now
+        try:
+            req.scheduled_at = time.perf_counter()
+            async for out in stream:
+                done = out.outputs[0]
+                if req.prefill_done_at == 0.0:
+                    req.prefill_done_at = time.perf_counter()
+                req.output_ids.extend(done.token_ids)
+                finish = FINISH.get(done.finish_reason) if out.finished else None
+                if out.finished:
+                    finished = True
+                    req.finished_at = time.perf_counter()
+                    finish = finish or Finish.STOP
+                yield Output(done.text, list(done.token_ids), finish)
+        finally:
+            if not finished:
+                await self.engine.llm.abort(req.id)
+
+
+class VllmEngine:
+    """vLLM's AsyncLLM over the exported language model; `submit` mirrors services/llm/submit.py."""
+
+    def __init__(self, spec: LlavaSpec, dtype: torch.dtype, max_batch: int) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.spec, self.dtype = spec, dtype
+        self.device = torch.device("cpu")  # features are imported to the host: prompt_embeds are copied anyway
+        text_dir = export_text_model(spec, dtype)
+        with safe_open(str(text_dir / "model.safetensors"), framework="pt") as f:
+            self.embed_table = f.get_tensor("model.embed_tokens.weight")  # [vocab, H], for prompt_embeds
+        args = AsyncEngineArgs(
+            model=str(text_dir),
+            dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype],
+            max_model_len=spec.text.max_context,
+            max_num_seqs=max_batch,
+            enable_prompt_embeds=True,
+            scheduling_policy="priority",
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            disable_log_stats=True,
+        )
+        self.llm = AsyncLLM.from_engine_args(args)
+        # Requests vLLM holds (each with its KV blocks), in the native engine's gauge.
+        held = self.llm.output_processor.get_num_unfinished_requests
+        KV_SLOTS.labels("used").set_function(held)
+        KV_SLOTS.labels("free").set_function(lambda: max(0, max_batch - held()))
+        log.info("vLLM engine ready: %s, max %d sequences, %s", text_dir, max_batch, dtype)
+
+    @torch.inference_mode()
+    def _embeds(self, ids: list[int], positions: list[int], features: list[torch.Tensor]) -> torch.Tensor:
+        """[T, H]: token embeddings with each image's features over its placeholders."""
+        embeds = self.embed_table[torch.tensor(ids)]
+        for pos, feats in zip(positions, features, strict=True):
+            embeds[pos : pos + feats.shape[0]] = feats.to(self.device, self.dtype)
+        return embeds
+
+    def _params(self, sampling: Sampling, max_new: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        greedy = sampling.greedy
+        return SamplingParams(
+            temperature=0.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p,
+            seed=sampling.seed,
+            max_tokens=max_new,
+            min_tokens=sampling.min_tokens,
+            ignore_eos=sampling.ignore_eos,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=None if sampling.ignore_eos else list(self.spec.text.eos_token_ids) or None,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def submit(
+        self,
+        prompts: PromptBuilder,
+        default_max_tokens: int,
+        request_id: str,
+        prompt: str,
+        features: list[torch.Tensor],
+        sampling: Sampling,
+        qos: QosLevel,
+        lease_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None,
+    ) -> VllmSubmission:
+        """As services.llm.submit.submit; the features are copied into the prompt here, so no lease is held."""
+        if lease_hooks is not None:
+            raise ValueError("the vLLM engine copies the features at submit: release the leases instead")
+        built = prompts.build(prompt, len(features))
+        room = self.spec.text.max_context - len(built.ids)
+        if sampling.max_tokens is not None and sampling.max_tokens > room:
+            raise InvalidArgument(
+                f"sampling.max_tokens={sampling.max_tokens} does not fit: the prompt takes {len(built.ids)} of the "
+                f"model's {self.spec.text.max_context} context tokens, leaving {room}"
+            )
+        if room < 1:
+            raise InvalidArgument(f"the prompt takes {len(built.ids)} tokens, the model's whole context")
+        embeds = self._embeds(built.ids, built.image_positions, features)
+        HANDOFFS.labels(TRANSPORT).inc()
+        HANDOFF_BYTES.labels(TRANSPORT).inc(embeds.numel() * embeds.element_size())
+        max_new = sampling.max_tokens if sampling.max_tokens is not None else min(default_max_tokens, room)
+        req = Request(
+            id=f"{request_id or 'req'}#{next(_ids)}",
+            prompt_ids=built.ids,
+            image_positions=built.image_positions,
+            image_features=features,
+            text_tokens=built.text_tokens,
+            sampling=sampling,
+            max_new=max_new,
+            qos=qos,
+            detok=Detokenizer(prompts.tokenizer, sampling.stop),  # unused: vLLM detokenizes
+            emit=lambda out: None,
+        )
+        return VllmSubmission(self, req, embeds, self._params(sampling, max_new))
+
+    def stop(self) -> None:
+        self.llm.shutdown()
+        del self.llm  # now, while the interpreter is whole (its __del__ shuts down again)
