@@ -83,7 +83,7 @@ class VllmServer:
             "--model", str(self.checkpoint), "--served-model-name", "peer",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--max-model-len", str(max_model_len), "--dtype", dtype, "--enforce-eager",
-            "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0",
+            "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0", "--disable-uvicorn-access-log",
         ]  # fmt: skip
         self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self.base = f"http://127.0.0.1:{self.port}"

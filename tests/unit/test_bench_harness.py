@@ -83,3 +83,57 @@ def test_workload_requests(tiny_model):
     w1 = RequestFactory(WORKLOADS["W1"], tok, 0, (0.2, 0.6, 0.2))
     assert len({w1.make(i).image for i in range(20)}) == 20  # all distinct
     assert w1.make(3).image == w1.make(3).image  # but reproducible
+
+
+def test_closed_loop_keeps_n_in_flight_and_counts_everything(tiny_model):
+    from transformers import AutoTokenizer
+
+    from services.bench.load import run_closed_loop
+
+    class Counting(FlakyTarget):
+        in_flight = peak = 0
+
+        async def send(self, req):
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+            try:
+                return await super().send(req)
+            finally:
+                self.in_flight -= 1
+
+    target = Counting()
+    factory = RequestFactory(WORKLOADS["W1"], AutoTokenizer.from_pretrained(tiny_model), 0, (0.0, 1.0, 0.0))
+    records, _ = asyncio.run(run_closed_loop(target, factory, 4, 0.5, progress=False))
+    assert target.peak == 4 and len(records) > 40
+    assert len({r.request.index for r in records}) == len(records)  # every request is its own
+    summary = summarize_run(records, 0.0, 0.5, 0.0, {"send_lag_ms": 0})
+    assert summary["lost"] == 0 and summary["sent"] == sum(summary["statuses"].values())
+
+
+def test_peer_checkpoint_renames_vision_keys_and_adds_bos(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from services.bench.peer import prepare_checkpoint
+
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    save_file(
+        {
+            "vision_tower.embeddings.class_embedding": torch.zeros(2),
+            "vision_tower.vision_model.encoder.layers.0.x": torch.zeros(1),  # already in vLLM's layout
+            "language_model.model.embed_tokens.weight": torch.ones(3, 2),
+        },
+        str(src / "model.safetensors"),
+    )
+    (src / "config.json").write_text("{}")
+    (src / "chat_template.jinja").write_text("{% for m in messages %}{{ m }}{% endfor %}")
+    out = prepare_checkpoint(str(src), tmp_path / "peer")
+    assert sorted(load_file(out / "model.safetensors")) == [
+        "language_model.model.embed_tokens.weight",
+        "vision_tower.vision_model.embeddings.class_embedding",
+        "vision_tower.vision_model.encoder.layers.0.x",
+    ]
+    assert (out / "chat_template.jinja").read_text().startswith("{{ bos_token }}{% for")
+    assert (out / "config.json").is_file()
+    assert prepare_checkpoint(str(src), tmp_path / "peer") == out  # made once
