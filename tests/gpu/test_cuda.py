@@ -50,10 +50,14 @@ def assert_greedy_under_transformers(model_dir, data: bytes, prompt: str, ids: l
 
     model = LlavaForConditionalGeneration.from_pretrained(model_dir).to(device).eval()
     inputs = {k: v.to(device) for k, v in hf_inputs(model_dir, data, prompt).items()}
-    n = inputs["input_ids"].shape[1]
-    full = torch.cat([inputs["input_ids"], torch.tensor([ids], device=device)], dim=1)
     with torch.no_grad():
-        logits = model(input_ids=full, pixel_values=inputs["pixel_values"]).logits[0, n - 1 : -1].float()
+        # The prompt with its picture, then our tokens on its KV cache: a random model may well
+        # generate the <image> token id, which transformers refuses to see beside pixel_values.
+        prompt_out = model(**inputs, use_cache=True)
+        rest = model(
+            input_ids=torch.tensor([ids[:-1]], device=device), past_key_values=prompt_out.past_key_values
+        ).logits[0]
+        logits = torch.cat([prompt_out.logits[0, -1:], rest]).float()
     logits[:, model.generation_config.eos_token_id] = float("-inf")  # the request set min_tokens = 16
     chosen = logits.gather(1, torch.tensor(ids, device=device)[:, None])[:, 0]
     best = logits.max(-1).values
