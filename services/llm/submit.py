@@ -18,7 +18,7 @@ from services.common.sampling import Sampling
 from services.llm.detokenizer import Detokenizer
 from services.llm.engine import Engine
 from services.llm.request import Output, Request
-from services.model.prompt import PromptBuilder
+from services.model.prompt import PromptBuilder, PromptIds
 
 _ids = itertools.count()
 
@@ -51,6 +51,23 @@ class Submission:
                 self.engine.abort(self.req.id)
 
 
+def build_prompt(
+    prompts: PromptBuilder, prompt: str, n_images: int, sampling: Sampling, default_max_tokens: int
+) -> tuple[PromptIds, int]:
+    """The chat prompt and the tokens to generate; INVALID_ARGUMENT if the prompt leaves no room."""
+    spec = prompts.spec
+    built = prompts.build(prompt, n_images)
+    room = spec.text.max_context - len(built.ids)
+    if sampling.max_tokens is not None and sampling.max_tokens > room:
+        raise InvalidArgument(
+            f"sampling.max_tokens={sampling.max_tokens} does not fit: the prompt takes {len(built.ids)} of the "
+            f"model's {spec.text.max_context} context tokens, leaving {room}"
+        )
+    if room < 1:
+        raise InvalidArgument(f"the prompt takes {len(built.ids)} tokens, the model's whole context")
+    return built, sampling.max_tokens if sampling.max_tokens is not None else min(default_max_tokens, room)
+
+
 def submit(
     engine: Engine,
     prompts: PromptBuilder,
@@ -66,16 +83,7 @@ def submit(
 
     `lease_hooks` (verify, release) go with features that alias the vision arena.
     """
-    spec = prompts.spec
-    built = prompts.build(prompt, len(features))
-    room = spec.text.max_context - len(built.ids)
-    if sampling.max_tokens is not None and sampling.max_tokens > room:
-        raise InvalidArgument(
-            f"sampling.max_tokens={sampling.max_tokens} does not fit: the prompt takes {len(built.ids)} of the "
-            f"model's {spec.text.max_context} context tokens, leaving {room}"
-        )
-    if room < 1:
-        raise InvalidArgument(f"the prompt takes {len(built.ids)} tokens, the model's whole context")
+    built, max_new = build_prompt(prompts, prompt, len(features), sampling, default_max_tokens)
     loop = asyncio.get_running_loop()
     outputs: asyncio.Queue[Output] = asyncio.Queue()
     req = Request(
@@ -85,7 +93,7 @@ def submit(
         image_features=features,
         text_tokens=built.text_tokens,
         sampling=sampling,
-        max_new=sampling.max_tokens if sampling.max_tokens is not None else min(default_max_tokens, room),
+        max_new=max_new,
         qos=qos,
         detok=Detokenizer(prompts.tokenizer, sampling.stop),
         emit=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),  # engine thread -> this loop

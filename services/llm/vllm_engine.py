@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.common.errors import InvalidArgument
 from services.common.metrics import HANDOFF_BYTES, HANDOFFS, KV_SLOTS
 from services.common.qos import QosLevel
 from services.common.sampling import Sampling
 from services.llm.detokenizer import Detokenizer
 from services.llm.request import Finish, Output, Request
+from services.llm.submit import build_prompt
 from services.model.checkpoint import load_decoder
 from services.model.prompt import PromptBuilder
 from services.model.spec import LlavaSpec
@@ -164,19 +164,10 @@ class VllmEngine:
         """As services.llm.submit.submit; the features are copied into the prompt here, so no lease is held."""
         if lease_hooks is not None:
             raise ValueError("the vLLM engine copies the features at submit: release the leases instead")
-        built = prompts.build(prompt, len(features))
-        room = self.spec.text.max_context - len(built.ids)
-        if sampling.max_tokens is not None and sampling.max_tokens > room:
-            raise InvalidArgument(
-                f"sampling.max_tokens={sampling.max_tokens} does not fit: the prompt takes {len(built.ids)} of the "
-                f"model's {self.spec.text.max_context} context tokens, leaving {room}"
-            )
-        if room < 1:
-            raise InvalidArgument(f"the prompt takes {len(built.ids)} tokens, the model's whole context")
+        built, max_new = build_prompt(prompts, prompt, len(features), sampling, default_max_tokens)
         embeds = self._embeds(built.ids, built.image_positions, features)
         HANDOFFS.labels(TRANSPORT).inc()
         HANDOFF_BYTES.labels(TRANSPORT).inc(embeds.numel() * embeds.element_size())
-        max_new = sampling.max_tokens if sampling.max_tokens is not None else min(default_max_tokens, room)
         req = Request(
             id=f"{request_id or 'req'}#{next(_ids)}",
             prompt_ids=built.ids,
