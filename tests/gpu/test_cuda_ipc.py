@@ -201,14 +201,18 @@ def test_mesh_on_gpu_uses_cuda_ipc_and_answers_like_the_cpu(tmp_path):
             assert "".join(m.text for m in reply) == pics[0].answer("What is in the image?")
         with grpc.insecure_channel(mesh.target("gateway")) as ch:
             stub = gateway_pb2_grpc.GatewayStub(ch)
+            # All three classes: best-effort requests keep a copy of their in-place features (they
+            # may be preempted after the lease is gone), the others read the slot only.
+            levels = ("realtime", "standard", "best-effort")
             got = [
                 stub.GenerateUnary(
                     gateway_pb2.GenerateRequest(
                         images=[pb.Image(data=d)], prompt=p, sampling=pb.SamplingParams(max_tokens=8)
                     ),
+                    metadata=[("qos-level", levels[i % 3])],
                     timeout=60,
                 ).text
-                for d, p in jobs
+                for i, (d, p) in enumerate(jobs)
             ]
         # The llm releases each lease after its prefill has read the slot in place: none is left.
         series = 'vlmesh_arena_slots{arena="cuda",state="leased"}'
