@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,9 +37,38 @@ class MeshError(RuntimeError):
 
 
 def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port that is free now, for a server that cannot share a reservation (see reserve_port).
+
+    Picked below the kernel's ephemeral range, which outgoing connections draw their source
+    ports from, so only a process that binds this very port explicitly can take it first.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = random.sample(range(10000, low), min(64, low - 10000)) if low > 10000 else []
+    for port in [*candidates, 0]:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise MeshError(f"no free port on {host}")
+
+
+def reserve_port(host: str) -> socket.socket:
+    """A socket bound to a free port with SO_REUSEPORT, held until the server that gets the port is up.
+
+    gRPC servers bind with SO_REUSEPORT, so the child can bind the same port; meanwhile the kernel
+    gives the port to nobody else (a port merely picked and released can become some connection's
+    source port before the child binds it, and the child then fails to start). The socket never
+    listens, so every connection goes to the child.
+    """
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind((host, 0))
+    return s
 
 
 @dataclass
@@ -68,7 +100,6 @@ class MeshOptions:
 class Child:
     name: str
     proc: subprocess.Popen
-    target: str
 
 
 class Mesh:
@@ -78,18 +109,23 @@ class Mesh:
         self.opts = opts
         self.children: list[Child] = []
         o = opts
-        self.ports = {
-            "gateway": o.gateway_port or free_port(o.host),
-            "vision": o.vision_port or free_port(o.host),
-            "llm": o.llm_port or free_port(o.host),
-        }
-        self.metrics_ports = {
-            name: (port or free_port(o.host)) if port >= 0 else -1
-            for name, port in zip(("gateway", "vision", "llm"), o.metrics_ports, strict=True)
-        }
+        # gRPC port 0: a free port reserved here until its server is up (the llm needs the
+        # vision's address when it starts). Metrics port 0: the child binds a free one and
+        # reports it in its port file.
+        self._reserved: dict[str, socket.socket] = {}
+        self.ports = {"gateway": o.gateway_port, "vision": o.vision_port, "llm": o.llm_port}
+        for name, port in self.ports.items():
+            if port == 0:
+                self._reserved[name] = reserve_port(o.host)
+                self.ports[name] = self._reserved[name].getsockname()[1]
+        self.metrics_ports = dict(zip(("gateway", "vision", "llm"), o.metrics_ports, strict=True))
+        self._port_dir = tempfile.TemporaryDirectory(prefix="vlmesh-ports-")
 
     def target(self, name: str) -> str:
         return f"{self.opts.host}:{self.ports[name]}"
+
+    def _port_file(self, name: str) -> Path:
+        return Path(self._port_dir.name) / f"{name}.json"
 
     def _spawn(self, name: str, args: list[str]) -> Child:
         o = self.opts
@@ -103,6 +139,8 @@ class Mesh:
             str(self.ports[name]),
             "--metrics-port",
             str(self.metrics_ports[name]),
+            "--port-file",
+            str(self._port_file(name)),
             "--log-level",
             o.log_level,
             *args,
@@ -110,7 +148,7 @@ class Mesh:
         env = {**os.environ, **o.extra_env}
         # Own process group: a Ctrl-C at the terminal reaches the launcher, which stops children in order.
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        child = Child(name, proc, self.target(name))
+        child = Child(name, proc)
         self.children.append(child)
         return child
 
@@ -122,6 +160,7 @@ class Mesh:
                 raise MeshError(f"the {child.name} process {why} (its log is above)")
 
     def _wait_healthy(self, children: list[Child], deadline: float) -> None:
+        """Wait until each child has written its port file (it does so once SERVING) and answers health."""
         pending = list(children)
         while pending:
             self._check_alive()
@@ -130,9 +169,16 @@ class Mesh:
                     f"{', '.join(c.name for c in pending)} not healthy after {self.opts.start_timeout_s:.0f}s"
                 )
             for child in list(pending):
-                if health_status(child.target) == health_pb2.HealthCheckResponse.SERVING:
+                path = self._port_file(child.name)
+                if not path.exists():
+                    continue
+                self.metrics_ports[child.name] = json.loads(path.read_text())["metrics_port"]
+                if health_status(self.target(child.name)) == health_pb2.HealthCheckResponse.SERVING:
                     pending.remove(child)
-            time.sleep(0.2)
+                    reservation = self._reserved.pop(child.name, None)
+                    if reservation is not None:
+                        reservation.close()
+            time.sleep(0.1)
 
     def start(self, progress=print) -> None:
         o = self.opts
@@ -225,6 +271,10 @@ class Mesh:
                     child.proc.kill()
                     child.proc.wait()
         self.children.clear()
+        for reservation in self._reserved.values():
+            reservation.close()
+        self._reserved.clear()
+        self._port_dir.cleanup()
 
     def __enter__(self) -> Mesh:
         return self

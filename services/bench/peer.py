@@ -17,7 +17,6 @@ import hashlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from services.bench.targets import Outcome
 from services.bench.workloads import BenchRequest
+from services.launcher import free_port
 
 SHIM = Path(__file__).resolve().parent / "vllm_shim"
 START_TIMEOUT_S = 300.0
@@ -59,18 +59,12 @@ def prepare_checkpoint(model_dir: str, root: Path = Path(".cache/vllm-peer")) ->
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class VllmServer:
     """`vllm serve` on loopback in its own process group; stopped by its PID."""
 
     def __init__(self, model_dir: str, max_model_len: int, dtype: str = "float32") -> None:
         self.checkpoint = prepare_checkpoint(model_dir)
-        self.port = _free_port()
+        self.port = free_port("127.0.0.1")
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(SHIM), os.environ.get("PYTHONPATH", "")])),

@@ -70,7 +70,7 @@ GPU_MEMORY = Gauge(
 )
 
 
-def start_metrics_server(port: int, host: str) -> int | None:
+def start_metrics_server(port: int, host: str) -> int:
     """Serve /metrics on `port` (0: a free port); return the port."""
     server, _thread = start_http_server(port, addr=host)
     bound = server.server_address[1]

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable
@@ -14,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import telemetry
+from services.common.config import ServerConfig
 from services.common.errors import MeshError
 from services.common.logs import setup_logging
 from services.common.metrics import start_metrics_server
@@ -42,14 +46,14 @@ class RunningServer:
 
 
 async def start_server(
-    host: str,
-    port: int,
+    cfg: ServerConfig,
     register: Iterable[Callable[[grpc.aio.Server], None]],
     service_names: Iterable[str],
 ) -> RunningServer:
     """Bind, register the servicers plus health and reflection, start, and report SERVING.
 
-    `port` 0 picks a free port; the bound one is returned.
+    Port 0 picks a free port; the bound one is returned, and written to `cfg.port_file`
+    when one is given (after SERVING, so the file's presence means "ready").
     """
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=telemetry.server_interceptors())
     for add in register:
@@ -60,13 +64,27 @@ async def start_server(
     reflection.enable_server_reflection(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{cfg.host}:{cfg.port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as err:  # grpcio raises instead of returning 0 since 1.5x
+        raise OSError(f"cannot bind {address} (in use, or not an address of this host): {err}") from err
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+        raise OSError(f"cannot bind {address}")
     await server.start()
     running = RunningServer(server, health_servicer, bound, names)
     await running.set_serving(True)
+    if cfg.port_file:
+        write_port_file(cfg.port_file, bound, cfg.metrics_port)
     return running
+
+
+def write_port_file(path: str, port: int, metrics_port: int) -> None:
+    """Write the bound ports atomically: a reader sees the whole file or none."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"port": port, "metrics_port": metrics_port}, f)
+    os.replace(tmp, path)
 
 
 async def serve_until_signal(
@@ -120,7 +138,9 @@ def run_service(
     try:
         telemetry.setup_tracing(name)
         if cfg.server.metrics_port >= 0:  # type: ignore[attr-defined]
-            start_metrics_server(cfg.server.metrics_port, cfg.server.host)  # type: ignore[attr-defined]
+            metrics_port = start_metrics_server(cfg.server.metrics_port, cfg.server.host)  # type: ignore[attr-defined]
+            # The bound port, not 0, is what start_server reports in --port-file.
+            cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, metrics_port=metrics_port))  # type: ignore[attr-defined,type-var]
         asyncio.run(serve(cfg))
     except (MeshError, OSError, ValueError) as err:
         logging.getLogger(name).error("cannot start: %s", getattr(err, "message", err))

@@ -17,8 +17,7 @@ async def serve(cfg: gateway_config.GatewayConfig) -> None:
     tenants = TenantRegistry.load(cfg.tenants) if cfg.tenants else None
     servicer = GatewayServicer(cfg.vision_target, cfg.llm_target, cfg.max_images, tenants, cfg.admission)
     running = await start_server(
-        cfg.server.host,
-        cfg.server.port,
+        cfg.server,
         [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],
         [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
     )

@@ -34,8 +34,7 @@ async def serve(cfg: llm_config.LlmConfig) -> None:
     servicer = LlmServicer(engine, PromptBuilder(spec), cfg.default_max_tokens, cfg.vision_target)
     try:
         running = await start_server(
-            cfg.server.host,
-            cfg.server.port,
+            cfg.server,
             [lambda s: llm_pb2_grpc.add_LlmServicer_to_server(servicer, s)],
             [llm_pb2.DESCRIPTOR.services_by_name["Llm"].full_name],
         )

@@ -38,8 +38,7 @@ async def serve(cfg: vision_config.VisionConfig) -> None:
     reaper = asyncio.create_task(_reap_forever(exporter, max(cfg.lease_ttl_s / 4, 0.05)))
     try:
         running = await start_server(
-            cfg.server.host,
-            cfg.server.port,
+            cfg.server,
             [lambda s: vision_pb2_grpc.add_VisionServicer_to_server(servicer, s)],
             [vision_pb2.DESCRIPTOR.services_by_name["Vision"].full_name],
         )

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -12,9 +15,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
-from services.launcher import Mesh
-from tests.conftest import image_bytes, mesh_options
+from services.launcher import Mesh, free_port, health_status, reserve_port
+from tests.conftest import image_bytes, mesh_options, scrape
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -158,6 +162,48 @@ def test_child_start_failure_is_reported(tmp_path):
     assert proc.returncode == 1
     assert "process exited with code 2" in proc.stderr
     assert "expected 'llava'" in proc.stderr
+
+
+def serve_gateway(*flags: str) -> subprocess.Popen:
+    """A lone gateway (its peers need not exist: channels connect lazily)."""
+    cmd = [sys.executable, "-m", "services.gateway", "--vision-target", "127.0.0.1:1", "--llm-target", "127.0.0.1:1"]
+    return subprocess.Popen([*cmd, *flags], stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def test_port_zero_reports_the_bound_ports_in_the_port_file(tmp_path):
+    port_file = tmp_path / "ports.json"
+    proc = serve_gateway("--port", "0", "--metrics-port", "0", "--port-file", str(port_file))
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.1)
+        bound = json.loads(port_file.read_text())
+        assert 0 < bound["port"] != bound["metrics_port"] > 0
+        assert health_status(f"127.0.0.1:{bound['port']}") == health_pb2.HealthCheckResponse.SERVING
+        assert "vlmesh_in_flight" in scrape(bound["metrics_port"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_port_in_use_fails_with_a_clear_message():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = serve_gateway("--port", str(port), "--metrics-port", "-1")
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert f"cannot bind 127.0.0.1:{port}" in err
+
+
+def test_reserved_ports_are_not_handed_out_until_the_child_binds_them():
+    with contextlib.ExitStack() as stack:
+        held = [stack.enter_context(reserve_port("127.0.0.1")) for _ in range(50)]
+        ports = {s.getsockname()[1] for s in held}
+        # A port picked by the kernel for someone else while these are held is never one of them.
+        assert free_port("127.0.0.1") not in ports and len(ports) == 50
 
 
 def test_sigterm_drains_in_flight_streams(tiny_model):
