@@ -84,6 +84,7 @@ class MeshOptions:
     llm_engine: str = "native"
     max_vision_batch: int = 4
     max_llm_batch: int = 8
+    ready_signal: str = "sync"  # CUDA hand-off readiness: the vision syncs, or passes an IPC event
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 0
@@ -187,7 +188,15 @@ class Mesh:
         progress(f"starting vision on {self.target('vision')} and llm on {self.target('llm')} (model {o.model})")
         vision = self._spawn(
             "vision",
-            [*model, "--vision-engine", o.vision_engine, "--max-vision-batch", str(o.max_vision_batch)],
+            [
+                *model,
+                "--vision-engine",
+                o.vision_engine,
+                "--max-vision-batch",
+                str(o.max_vision_batch),
+                "--ready-signal",
+                o.ready_signal,
+            ],
         )
         llm = self._spawn(
             "llm",
@@ -328,6 +337,13 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llm-engine", default="native", help="llm engine (default %(default)s)")
     p.add_argument("--max-vision-batch", type=int, default=4, help="images per ViT forward (default %(default)s)")
     p.add_argument("--max-llm-batch", type=int, default=8, help="sequences decoded together (default %(default)s)")
+    p.add_argument(
+        "--ready-signal",
+        default="sync",
+        choices=("sync", "event"),
+        help="CUDA hand-off: the vision synchronises before replying, or passes an interprocess CUDA event "
+        "the llm's stream waits on (default %(default)s)",
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default %(default)s)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per service; 0 = default")
@@ -364,6 +380,7 @@ def options_from_args(args: argparse.Namespace) -> MeshOptions:
         llm_engine=args.llm_engine,
         max_vision_batch=args.max_vision_batch,
         max_llm_batch=args.max_llm_batch,
+        ready_signal=args.ready_signal,
         device=args.device,
         dtype=args.dtype,
         threads=args.threads,

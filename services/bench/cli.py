@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-vision-batch", type=int, default=4)
     p.add_argument("--max-llm-batch", type=int, default=8)
+    p.add_argument("--ready-signal", default="sync", choices=("sync", "event"), help="CUDA hand-off readiness (mesh)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per service (mesh) or in-process")
     p.add_argument("--closed-loop", default="", help="also run closed loops at these concurrencies, e.g. 1,4,16")
     return p
@@ -199,6 +200,7 @@ def serve(name: str, args, say):
                 threads=args.threads,
                 max_vision_batch=args.max_vision_batch,
                 max_llm_batch=args.max_llm_batch,
+                ready_signal=args.ready_signal,
                 warmup_requests=4,
                 log_level="warning",
             )

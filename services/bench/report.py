@@ -36,6 +36,9 @@ def summarize_run(records: list[Record], rate: float, duration_s: float, warmup_
         "ttft_ms": summarize([o.ttft_s * 1000 for o in ok if o.ttft_s is not None]),
         "tpot_ms": summarize([o.tpot_s * 1000 for o in ok if o.tpot_s is not None]),
         "stages_ms_p50": {s: summarize([o.stages_ms.get(s, 0.0) for o in ok])["p50"] for s in STAGES},
+        # Time outside every stage (RPCs, serialisation, relaying, thread wake-ups): what the
+        # mesh's plumbing costs a request, comparable with --target inprocess.
+        "outside_stages_ms": summarize([o.e2e_s * 1000 - sum(o.stages_ms.values()) for o in ok if o.stages_ms]),
         "client": {**client, "send_lag_ms": summarize(lag)},
     }
 
@@ -45,13 +48,15 @@ def table(runs: list[dict]) -> str:
         f"{'target':<10}{'wl':<4}{'load':>6}{'req/s':>7}{'tok/s':>8}{'e2e p50':>9}{'p90':>8}{'p99':>8}"
         f"{'ttft p50':>9}{'p99':>8}{'tpot p50':>9}{'p99':>7}  "
         + " ".join(f"{s[:7]:>7}" for s in STAGES)
-        + f"{'lag99':>7}{'cpu':>6}  statuses"
+        + f"{'outside':>8}{'lag99':>7}{'cpu':>6}  statuses"
     )
     lines = [head]
     for r in runs:
         s = r["summary"]
         e, t, p = s["e2e_ms"], s["ttft_ms"], s["tpot_ms"]
         stages = " ".join(f"{s['stages_ms_p50'][k]:7.1f}" for k in STAGES)
+        outside = s.get("outside_stages_ms", {})
+        stages += f"{outside['p50']:8.1f}" if outside.get("n") else f"{'-':>8}"
         statuses = ",".join(f"{k}={v}" for k, v in sorted(s["statuses"].items()))
         load = f"x{s['concurrency']}" if "concurrency" in s else f"{s['offered_rps']:g}"
         cpu = f"{s['server_cpu_cores']:6.2f}" if "server_cpu_cores" in s else f"{'-':>6}"
@@ -62,6 +67,7 @@ def table(runs: list[dict]) -> str:
         )
     lines.append(
         "latencies in ms; stages are p50 ms of queue, preprocess, vision, hand-off, prefill, decode; "
+        "outside is the p50 of e2e minus those stages (RPCs, relaying, wake-ups); "
         "lag99 is the client's own p99 delay in sending (its overhead); cpu is the servers' CPU use in cores; "
         "load is the offered req/s, or xN for a closed loop of N"
     )

@@ -136,17 +136,24 @@ class Engine:
             req.output_ids.append(tok)
             text, stopped = req.detok.push(tok)
             if stopped:
-                req.emit(Output(text, [tok]))
-                self._finish(req, Finish.STOP)
+                self._finish(req, Finish.STOP, text=text, token_ids=[tok])
             elif len(req.output_ids) >= req.max_new or req.computed + 1 >= self.runner.max_context:
-                req.emit(Output(text, [tok]))
-                self._finish(req, Finish.LENGTH)
+                self._finish(req, Finish.LENGTH, text=text, token_ids=[tok])
             else:
                 req.emit(Output(text, [tok]))
 
-    def _finish(self, req: Request, finish: Finish, error: str | Exception | None = None) -> None:
+    def _finish(
+        self,
+        req: Request,
+        finish: Finish,
+        error: str | Exception | None = None,
+        text: str = "",
+        token_ids: list[int] | None = None,
+    ) -> None:
+        """End a request; its last token rides on the final output (one message less to relay)."""
         req.drop_leases()
         self.scheduler.finish(req)
         req.finished_at = time.perf_counter()
-        tail = req.detok.flush() if finish in (Finish.STOP, Finish.LENGTH) else ""
-        req.emit(Output(tail, [], finish=finish, error=error))
+        if finish in (Finish.STOP, Finish.LENGTH):
+            text += req.detok.flush()
+        req.emit(Output(text, token_ids or [], finish=finish, error=error))

@@ -56,8 +56,8 @@ class GatewayServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams text deltas as they are generated, then one final message with
-        usage, finish reason and per-stage timings.
+        """Streams text deltas as they are generated; the final message also carries
+        usage, finish reason and per-stage timings (and may carry the last delta).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
