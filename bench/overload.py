@@ -29,6 +29,7 @@ from services.bench.load import run_open_loop
 from services.bench.stats import percentile
 from services.bench.targets import MeshTarget
 from services.bench.workloads import WORKLOADS, RequestFactory
+from services.common import eventloop
 from services.common.qos import QosLevel
 from services.launcher import Mesh, MeshOptions
 
@@ -181,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    result = asyncio.run(run(args))
+    result = eventloop.run(run(args))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     print(report(result))

@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.eventloop import EVENT_LOOPS
 from services.common.logs import LOG_LEVELS
 from services.gateway.admission import add_admission_args, admission_argv, admission_config
 
@@ -91,6 +92,7 @@ class MeshOptions:
     warmup_images: str | None = None
     warmup_requests: int = 10
     log_level: str = "info"
+    event_loop: str = "auto"
     tenants: str | None = None
     admission_flags: tuple[str, ...] = ()  # --max-in-flight and the budgets, passed to the gateway
     start_timeout_s: float = 180.0
@@ -144,6 +146,8 @@ class Mesh:
             str(self._port_file(name)),
             "--log-level",
             o.log_level,
+            "--event-loop",
+            o.event_loop,
             *args,
         ]
         env = {**os.environ, **o.extra_env}
@@ -366,6 +370,12 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
         help="JSON tenants file (API keys, max qos-level, rate limits); auth is off without it",
     )
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    p.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default="auto",
+        help="the servers' asyncio loop: uvloop when installed (auto), or asyncio's own (default %(default)s)",
+    )
     add_admission_args(p)
 
 
@@ -390,6 +400,7 @@ def options_from_args(args: argparse.Namespace) -> MeshOptions:
         tenants=args.tenants,
         admission_flags=tuple(admission_argv(args)),
         log_level=args.log_level,
+        event_loop=args.event_loop,
     )
 
 

@@ -21,7 +21,6 @@ at those concurrencies. Each run reports the CPU the servers used (cores, over t
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import datetime as dt
 import os
@@ -34,12 +33,13 @@ from pathlib import Path
 from services.bench.load import run_closed_loop, run_open_loop
 from services.bench.report import compare_seeds, plot, summarize_run, table, write_json
 from services.bench.workloads import WORKLOADS, RequestFactory
+from services.common import eventloop
 
 TARGETS = ("mesh", "inprocess", "hf", "vllm")
 SAME_ANSWER_CHECKS = 4
 
 
-def environment(model: str) -> dict:
+def environment(model: str, event_loop: str) -> dict:
     import torch
 
     try:
@@ -60,6 +60,7 @@ def environment(model: str) -> dict:
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "event_loop": eventloop.resolve(event_loop),
         "model": model,
     }
 
@@ -94,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-vision-batch", type=int, default=4)
     p.add_argument("--max-llm-batch", type=int, default=8)
     p.add_argument("--ready-signal", default="sync", choices=("sync", "event"), help="CUDA hand-off readiness (mesh)")
+    p.add_argument(
+        "--event-loop",
+        default="auto",
+        choices=eventloop.EVENT_LOOPS,
+        help="asyncio loop of this client, the in-process target and the mesh's servers (default %(default)s)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads per service (mesh) or in-process")
     p.add_argument("--closed-loop", default="", help="also run closed loops at these concurrencies, e.g. 1,4,16")
     return p
@@ -201,6 +208,7 @@ def serve(name: str, args, say):
                 max_vision_batch=args.max_vision_batch,
                 max_llm_batch=args.max_llm_batch,
                 ready_signal=args.ready_signal,
+                event_loop=args.event_loop,
                 warmup_requests=4,
                 log_level="warning",
             )
@@ -257,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         # The same work first: both up at once only for this check (vLLM busy-waits on the CPU).
         with serve("mesh", args, say) as mesh, serve("vllm", args, say) as peer:
             factory = RequestFactory(WORKLOADS[workloads[0]], tokenizer, args.seed, qos_mix)
-            pairs = asyncio.run(same_answers({"mesh": mesh[0], "vllm": peer[0]}, factory, SAME_ANSWER_CHECKS))
+            pairs = eventloop.run(
+                same_answers({"mesh": mesh[0], "vllm": peer[0]}, factory, SAME_ANSWER_CHECKS), args.event_loop
+            )
         config["same_answers"] = pairs
         for ours, theirs in pairs:
             say(f"same-answer check: mesh {ours!r} vllm {theirs!r}")
@@ -267,10 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     runs, records = [], {}
     for name in targets:
         with serve(name, args, say) as (endpoint, pids):
-            r, rec = asyncio.run(run_target(name, args, workloads, rates, qos_mix, tokenizer, {name: endpoint}, pids))
+            r, rec = eventloop.run(
+                run_target(name, args, workloads, rates, qos_mix, tokenizer, {name: endpoint}, pids), args.event_loop
+            )
         runs += r
         records.update(rec)
-    write_json(out / "results.json", config, environment(args.model), runs, records)
+    write_json(out / "results.json", config, environment(args.model, args.event_loop), runs, records)
     plots = plot(out, runs, records, args.warmup)
     print(f"wrote {out / 'results.json'} and {', '.join(str(p) for p in plots)}", file=sys.stderr)
     if args.compare_seeds:

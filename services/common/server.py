@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import telemetry
+from services.common import eventloop, telemetry
 from services.common.config import ServerConfig
 from services.common.errors import MeshError
 from services.common.logs import setup_logging
@@ -134,6 +134,7 @@ def run_service(
         print(f"vlmesh serve {name}: error: {err}", file=sys.stderr)
         return 2
     setup_logging(cfg.server.log_level, name, cfg.server.log_format)  # type: ignore[attr-defined]
+    logging.getLogger(name).info("event loop: %s", eventloop.resolve(cfg.server.event_loop))  # type: ignore[attr-defined]
     sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)  # type: ignore[attr-defined]
     try:
         telemetry.setup_tracing(name)
@@ -141,7 +142,7 @@ def run_service(
             metrics_port = start_metrics_server(cfg.server.metrics_port, cfg.server.host)  # type: ignore[attr-defined]
             # The bound port, not 0, is what start_server reports in --port-file.
             cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, metrics_port=metrics_port))  # type: ignore[attr-defined,type-var]
-        asyncio.run(serve(cfg))
+        eventloop.run(serve(cfg), cfg.server.event_loop)  # type: ignore[attr-defined]
     except (MeshError, OSError, ValueError) as err:
         logging.getLogger(name).error("cannot start: %s", getattr(err, "message", err))
         return 2
