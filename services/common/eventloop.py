@@ -1,21 +1,17 @@
 """The asyncio event loop every server and the benchmark client run on.
 
 uvloop (libuv) when it is installed, asyncio's own loop otherwise. grpc.aio runs on
-either. On the 2-core CPU host uvloop cut a bare grpc.aio chain of the mesh's shape
-(client -> gateway -> vision unary, then a relayed 16-message llm stream) from 6.4-7.4
-to 5.3-6.0 ms p50, and the mesh's own time outside its stages by about 0.4 ms
-(docs/PERF.md).
+either. On the 2-core CPU host uvloop made a bare grpc.aio chain of the mesh's shape
+(`python -m bench.grpc_chain`) 10-25% faster at p50, and lowered the p90 of the mesh's
+own time outside its stages by about 1 ms (docs/PERF.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
-import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
-
-log = logging.getLogger(__name__)
 
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 T = TypeVar("T")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -11,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -198,12 +198,17 @@ def test_a_port_in_use_fails_with_a_clear_message():
     assert f"cannot bind 127.0.0.1:{port}" in err
 
 
-def test_reserved_ports_are_not_handed_out_until_the_child_binds_them():
-    with contextlib.ExitStack() as stack:
-        held = [stack.enter_context(reserve_port("127.0.0.1")) for _ in range(50)]
-        ports = {s.getsockname()[1] for s in held}
-        # A port picked by the kernel for someone else while these are held is never one of them.
-        assert free_port("127.0.0.1") not in ports and len(ports) == 50
+def test_a_reserved_port_is_taken_by_no_one_but_a_grpc_server():
+    with reserve_port("127.0.0.1") as held:
+        port = held.getsockname()[1]
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))  # what a connection's source port or another server would do
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+        try:
+            assert server.add_insecure_port(f"127.0.0.1:{port}") == port  # gRPC binds with SO_REUSEPORT
+        finally:
+            server.stop(None)
+    assert free_port("127.0.0.1") > 0
 
 
 def test_sigterm_drains_in_flight_streams(tiny_model):
