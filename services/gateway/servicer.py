@@ -84,7 +84,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         root = telemetry.current_span()  # the RPC's server span: the trace's root
         telemetry.annotate({"request.id": request_id}, root)
         with telemetry.span("gateway.admission") as span:
-            qos = None
+            qos, charged = None, None
             try:
                 metadata_in = context.invocation_metadata()
                 tenant = self.tenants.authenticate(metadata_in) if self.tenants else None
@@ -95,6 +95,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 telemetry.annotate({"qos.level": qos.wire}, root)
                 if tenant is not None:
                     self.tenants.admit(tenant, qos)
+                    charged = tenant  # refunded below if the request is refused after all
                 if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                     raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
                 check_images(request.images, self.max_images)
@@ -112,6 +113,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 )
                 ticket = self.admission.admit(qos, context.time_remaining(), max(1, surely))
             except MeshError as err:
+                if charged is not None:
+                    charged.requests.refund(1.0)
                 reason = err.reason or REFUSAL_REASONS.get(err.code, err.code.name.lower())
                 level = qos.wire if qos is not None else "unknown"
                 metrics.REJECTIONS.labels("gateway", level, reason).inc()

@@ -9,8 +9,9 @@ Auth is on when the gateway gets `--tenants FILE` and off otherwise. The file is
 Requests carry `authorization: Bearer KEY`. A missing or unknown key is UNAUTHENTICATED, a
 class above the tenant's `max_qos` is PERMISSION_DENIED, and an empty bucket is
 RESOURCE_EXHAUSTED with the time until it refills as google.rpc RetryInfo. Requests are
-charged when admitted; generated tokens when the request ends (a bucket may go negative,
-and then admits nothing until it has refilled).
+charged when admitted (a request the gateway refuses after the tenant check, as invalid or
+over a queue limit or its deadline, gets its token back); generated tokens when the request
+ends (a bucket may go negative, and then admits nothing until it has refilled).
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ class TokenBucket:
                 self.level -= n
                 return 0.0
             return (n - self.level) / self.rate
+
+    def refund(self, n: float) -> None:
+        """Give back n tokens taken for work that was then refused."""
+        with self._lock:
+            self._refill()
+            self.level = min(self.capacity, self.level + n)
 
     def charge(self, n: float) -> None:
         """Take n tokens even if that leaves the bucket in debt."""

@@ -32,6 +32,7 @@ def qmesh(tiny_model, tmp_path_factory):
         {"id": "ops", "api_keys": ["sk-ops"], "max_qos": "realtime", "requests_per_second": 1000, "burst": 1000},
         {"id": "acme", "api_keys": ["sk-acme"], "max_qos": "standard", "requests_per_second": 1000, "burst": 1000},
         {"id": "slow", "api_keys": ["sk-slow"], "max_qos": "standard", "requests_per_second": 0.2, "burst": 1},
+        {"id": "once", "api_keys": ["sk-once"], "max_qos": "standard", "requests_per_second": 0.01, "burst": 1},
     ]
     path.write_text(json.dumps({"tenants": tenants}))
     opts = mesh_options(
@@ -120,6 +121,19 @@ def test_tenant_rate_limit_gives_retry_info(qmesh):
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "request rate" in err.details()
     assert 0 < retry_delay_s(err) <= 5.0 and took < 2.0
     assert rejections(qmesh, "standard", "rate_limited") >= 1
+    assert_idle(qmesh)
+
+
+def test_a_refused_request_costs_the_tenant_nothing(qmesh):
+    bad = req(2)
+    bad.sampling.temperature = -1.0
+    for _ in range(3):  # each refused after the tenant's check: its request token comes back
+        with pytest.raises(grpc.RpcError) as info:
+            qmesh.stub.GenerateUnary(bad, metadata=md("sk-once"), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert qmesh.stub.GenerateUnary(req(2), metadata=md("sk-once"), timeout=30).finish_reason
+    err, _ = refused(qmesh, "sk-once")  # and the one token of its burst is now spent
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert_idle(qmesh)
 
 
