@@ -89,10 +89,29 @@ class VllmSubmission:
                     finished = True
                     req.finished_at = time.perf_counter()
                     finish = finish or Finish.STOP
+                    self._engine_times(out.metrics)
                 yield Output(done.text, list(done.token_ids), finish)
         finally:
             if not finished:
                 await self.engine.llm.abort(req.id)
+
+    def _engine_times(self, stats) -> None:
+        """vLLM's own queue, prefill and decode boundaries, where it recorded them.
+
+        Its engine core stamps them with time.monotonic(), the clock of our perf_counter on
+        Linux (both CLOCK_MONOTONIC), so they replace the front end's view: without them, vLLM's
+        queueing would count as prefill.
+        """
+        if stats is None or not (0.0 < stats.scheduled_ts <= stats.first_token_ts <= stats.last_token_ts):
+            return
+        req = self.req
+        if not req.arrival <= stats.scheduled_ts <= req.finished_at:
+            return  # not our clock after all (another platform): keep the front end's figures
+        req.scheduled_at, req.prefill_done_at, req.finished_at = (
+            stats.scheduled_ts,
+            stats.first_token_ts,
+            stats.last_token_ts,
+        )
 
 
 class VllmEngine:
@@ -116,7 +135,10 @@ class VllmEngine:
             scheduling_policy="priority",
             enforce_eager=True,
             enable_prefix_caching=False,
-            disable_log_stats=True,
+            # Per-request stats on: vLLM then stamps each request's queue, first and last token
+            # times (RequestOutput.metrics), which become our spans and timings. AsyncLLM alone
+            # does not print the periodic stats lines (vLLM's API server asks for those).
+            disable_log_stats=False,
         )
         self.llm = AsyncLLM.from_engine_args(args)
         # Requests vLLM holds (each with its KV blocks), in the native engine's gauge.

@@ -105,6 +105,10 @@ def test_realtime_overtakes_waiting_best_effort(vmesh):
     for fut in futures.values():
         assert fut.result().usage.output_tokens == 4
     assert finished["rt"] < finished["be-1"] and finished["rt"] < finished["be-2"], finished
+    # vLLM's own stamps split its queue from the prefill: the waiting is queue time, not prefill.
+    t = futures["be-2"].result().timings
+    assert t.llm_queue_ms > 50 and t.llm_queue_ms > 5 * t.prefill_ms > 0, t
+    assert t.decode_ms > 0 and t.llm_queue_ms + t.prefill_ms + t.decode_ms < t.total_ms, t
 
 
 def test_cancelled_stream_is_aborted_and_the_engine_keeps_serving(vmesh):
