@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.config import READY_SIGNALS
 from services.common.eventloop import EVENT_LOOPS
 from services.common.logs import LOG_LEVELS
 from services.gateway.admission import add_admission_args, admission_argv, admission_config
@@ -344,7 +345,7 @@ def add_mesh_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ready-signal",
         default="sync",
-        choices=("sync", "event"),
+        choices=READY_SIGNALS,
         help="CUDA hand-off: the vision synchronises before replying, or passes an interprocess CUDA event "
         "the llm's stream waits on (default %(default)s)",
     )

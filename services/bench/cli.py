@@ -34,6 +34,7 @@ from services.bench.load import run_closed_loop, run_open_loop
 from services.bench.report import compare_seeds, plot, summarize_run, table, write_json
 from services.bench.workloads import WORKLOADS, RequestFactory
 from services.common import eventloop
+from services.common.config import READY_SIGNALS
 
 TARGETS = ("mesh", "inprocess", "hf", "vllm")
 SAME_ANSWER_CHECKS = 4
@@ -94,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-vision-batch", type=int, default=4)
     p.add_argument("--max-llm-batch", type=int, default=8)
-    p.add_argument("--ready-signal", default="sync", choices=("sync", "event"), help="CUDA hand-off readiness (mesh)")
+    p.add_argument("--ready-signal", default="sync", choices=READY_SIGNALS, help="CUDA hand-off readiness (mesh)")
     p.add_argument(
         "--event-loop",
         default="auto",

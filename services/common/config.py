@@ -12,6 +12,8 @@ from services.common.logs import LOG_FORMATS, LOG_LEVELS
 # Python's GIL switch interval for processes that run an engine or batcher thread beside an
 # asyncio loop (Python's default, 5 ms, delays every result the loop relays; docs/PERF.md).
 SWITCH_INTERVAL_MS = 0.5
+# How a CUDA hand-off's reader knows the slot is written (services/common/cuda_arena.py).
+READY_SIGNALS = ("sync", "event")
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,10 @@ from __future__ import annotations
 import torch
 
 from services.common.arena import CUDA, ArenaTable, ArenaView
+from services.common.config import READY_SIGNALS
 from services.common.errors import FailedPrecondition
 from services.common.leases import Lease
 from vlmesh.v1 import common_pb2 as pb
-
-READY_SIGNALS = ("sync", "event")
 
 
 def gpu_uuid(device: torch.device) -> str:

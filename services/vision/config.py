@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from services.common.config import (
+    READY_SIGNALS,
     ModelConfig,
     ServerConfig,
     add_model_args,
@@ -39,7 +40,7 @@ class VisionConfig:
             problems.append(f"--arena-slots {self.arena_slots} must be >= --max-vision-batch {self.max_batch}")
         if self.lease_ttl_s <= 0:
             problems.append(f"--lease-ttl-s {self.lease_ttl_s} must be > 0")
-        if self.ready_signal not in ("sync", "event"):
+        if self.ready_signal not in READY_SIGNALS:
             problems.append(f"--ready-signal {self.ready_signal!r}: use sync or event")
         if self.preprocess_workers < 1:
             problems.append(f"--preprocess-workers {self.preprocess_workers} must be >= 1")
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--ready-signal",
         default="sync",
-        choices=("sync", "event"),
+        choices=READY_SIGNALS,
         help="CUDA hand-off: synchronise before replying, or pass an interprocess CUDA event (default %(default)s)",
     )
     return p
