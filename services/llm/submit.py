@@ -18,7 +18,7 @@ from services.common.sampling import Sampling
 from services.llm.detokenizer import Detokenizer
 from services.llm.engine import Engine
 from services.llm.request import Output, Request
-from services.model.prompt import PromptBuilder, PromptIds
+from services.model.prompt import PromptBuilder
 
 _ids = itertools.count()
 
@@ -51,12 +51,22 @@ class Submission:
                 self.engine.abort(self.req.id)
 
 
-def build_prompt(
-    prompts: PromptBuilder, prompt: str, n_images: int, sampling: Sampling, default_max_tokens: int
-) -> tuple[PromptIds, int]:
-    """The chat prompt and the tokens to generate; INVALID_ARGUMENT if the prompt leaves no room."""
+def new_request(
+    prompts: PromptBuilder,
+    default_max_tokens: int,
+    request_id: str,
+    prompt: str,
+    features: list[torch.Tensor],
+    sampling: Sampling,
+    qos: QosLevel,
+    emit: Callable[[Output], None],
+) -> Request:
+    """The engine's Request for a prompt and its images; INVALID_ARGUMENT if the prompt leaves no room.
+
+    Shared by both engines, so that prompts, token budgets and request ids are the same.
+    """
     spec = prompts.spec
-    built = prompts.build(prompt, n_images)
+    built = prompts.build(prompt, len(features))
     room = spec.text.max_context - len(built.ids)
     if sampling.max_tokens is not None and sampling.max_tokens > room:
         raise InvalidArgument(
@@ -65,7 +75,18 @@ def build_prompt(
         )
     if room < 1:
         raise InvalidArgument(f"the prompt takes {len(built.ids)} tokens, the model's whole context")
-    return built, sampling.max_tokens if sampling.max_tokens is not None else min(default_max_tokens, room)
+    return Request(
+        id=f"{request_id or 'req'}#{next(_ids)}",
+        prompt_ids=built.ids,
+        image_positions=built.image_positions,
+        image_features=features,
+        text_tokens=built.text_tokens,
+        sampling=sampling,
+        max_new=sampling.max_tokens if sampling.max_tokens is not None else min(default_max_tokens, room),
+        qos=qos,
+        detok=Detokenizer(prompts.tokenizer, sampling.stop),
+        emit=emit,
+    )
 
 
 def submit(
@@ -83,21 +104,13 @@ def submit(
 
     `lease_hooks` (verify, release) go with features that alias the vision arena.
     """
-    built, max_new = build_prompt(prompts, prompt, len(features), sampling, default_max_tokens)
     loop = asyncio.get_running_loop()
     outputs: asyncio.Queue[Output] = asyncio.Queue()
-    req = Request(
-        id=f"{request_id or 'req'}#{next(_ids)}",
-        prompt_ids=built.ids,
-        image_positions=built.image_positions,
-        image_features=features,
-        text_tokens=built.text_tokens,
-        sampling=sampling,
-        max_new=max_new,
-        qos=qos,
-        detok=Detokenizer(prompts.tokenizer, sampling.stop),
-        emit=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),  # engine thread -> this loop
-    )
+
+    def emit(out: Output) -> None:  # engine thread -> this loop
+        loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+    req = new_request(prompts, default_max_tokens, request_id, prompt, features, sampling, qos, emit)
     if lease_hooks is not None:
         req.verify_leases, req.release_leases = lease_hooks
     engine.add(req)

@@ -16,7 +16,6 @@ in vlmesh_handoffs_total{transport="VLLM_PROMPT_EMBEDS"} and its bytes.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -28,9 +27,8 @@ from safetensors import safe_open
 from services.common.metrics import HANDOFF_BYTES, HANDOFFS, KV_SLOTS
 from services.common.qos import QosLevel
 from services.common.sampling import Sampling
-from services.llm.detokenizer import Detokenizer
 from services.llm.request import Finish, Output, Request
-from services.llm.submit import build_prompt
+from services.llm.submit import new_request
 from services.model.checkpoint import load_decoder
 from services.model.prompt import PromptBuilder
 from services.model.spec import LlavaSpec
@@ -38,7 +36,6 @@ from services.model.spec import LlavaSpec
 log = logging.getLogger(__name__)
 
 TRANSPORT = "VLLM_PROMPT_EMBEDS"
-_ids = itertools.count()
 FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
 
 
@@ -186,23 +183,12 @@ class VllmEngine:
         """As services.llm.submit.submit; the features are copied into the prompt here, so no lease is held."""
         if lease_hooks is not None:
             raise ValueError("the vLLM engine copies the features at submit: release the leases instead")
-        built, max_new = build_prompt(prompts, prompt, len(features), sampling, default_max_tokens)
-        embeds = self._embeds(built.ids, built.image_positions, features)
+        # The detokenizer stays unused (vLLM detokenizes) and outputs arrive through `outputs()`.
+        req = new_request(prompts, default_max_tokens, request_id, prompt, features, sampling, qos, lambda out: None)
+        embeds = self._embeds(req.prompt_ids, req.image_positions, features)
         HANDOFFS.labels(TRANSPORT).inc()
         HANDOFF_BYTES.labels(TRANSPORT).inc(embeds.numel() * embeds.element_size())
-        req = Request(
-            id=f"{request_id or 'req'}#{next(_ids)}",
-            prompt_ids=built.ids,
-            image_positions=built.image_positions,
-            image_features=features,
-            text_tokens=built.text_tokens,
-            sampling=sampling,
-            max_new=max_new,
-            qos=qos,
-            detok=Detokenizer(prompts.tokenizer, sampling.stop),  # unused: vLLM detokenizes
-            emit=lambda out: None,
-        )
-        return VllmSubmission(self, req, embeds, self._params(sampling, max_new))
+        return VllmSubmission(self, req, embeds, self._params(sampling, req.max_new))
 
     def stop(self) -> None:
         self.llm.shutdown()

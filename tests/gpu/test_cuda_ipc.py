@@ -10,14 +10,12 @@ import time
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 import torch
 
 from services.common.errors import FailedPrecondition, Unavailable
 from services.common.tensorref import FeatureImporter
 from services.launcher import Mesh
-from services.model.shapes import PROMPTS, encode, render
 from tests.conftest import mesh_options, settle
 from tests.gpu.arena_peer import call, connect, sha256, write
 from vlmesh.v1 import common_pb2 as pb
@@ -162,20 +160,10 @@ def test_dead_producer_gives_unavailable(tmp_path):
 
 def test_mesh_on_gpu_uses_cuda_ipc_and_answers_like_the_cpu(tmp_path):
     """The demo model through the GPU mesh (CUDA IPC hand-off) gives the CPU engine's answers."""
-    from tests.unit.test_engine import Parts
+    from tests.unit.test_engine import demo_answers
 
     demo = ROOT / "models" / "demo"
-    pics = [render(np.random.default_rng([31337, i])) for i in range(24)]
-    jobs = [(encode(p.image, "PNG"), list(PROMPTS)[i % 3]) for i, p in enumerate(pics)]
-    cpu = Parts(demo, max_batch=8)
-    try:
-        expected = []
-        for data, prompt in jobs:
-            pair = cpu.request(data, prompt, max_tokens=8)
-            cpu.run(pair)
-            expected.append(pair[1]["text"])
-    finally:
-        cpu.engine.stop()
+    pics, jobs, expected = demo_answers(31337, 24)
     assert sum(e == p.answer(j[1]) for e, p, j in zip(expected, pics, jobs, strict=True)) >= 22
     opts = mesh_options(demo, device="cuda", dtype="float32", threads=0, extra_env={"NVIDIA_TF32_OVERRIDE": "0"})
     with Mesh(opts) as mesh:

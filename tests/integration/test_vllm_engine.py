@@ -13,11 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 
 from services.launcher import Mesh
-from services.model.shapes import PROMPTS, encode, render
 from tests.conftest import image_bytes, mesh_options, sample, scrape, settle
 from tests.integration.test_oracle import check_against_transformers
 from vlmesh.v1 import common_pb2 as pb
@@ -123,21 +121,10 @@ def test_cancelled_stream_is_aborted_and_the_engine_keeps_serving(vmesh):
 
 def test_demo_model_answers_as_the_native_engine(tmp_path):
     """50 rendered pictures: the demo model gives the same answers through vLLM as through our engine."""
-    from tests.unit.test_engine import Parts
+    from tests.unit.test_engine import demo_answers
 
-    demo = ROOT / "models" / "demo"
-    pics = [render(np.random.default_rng([4242, i])) for i in range(50)]
-    jobs = [(encode(p.image, "PNG"), list(PROMPTS)[i % len(PROMPTS)]) for i, p in enumerate(pics)]
-    native = Parts(demo, max_batch=8)
-    try:
-        expected = []
-        for data, prompt in jobs:
-            pair = native.request(data, prompt, max_tokens=8)
-            native.run(pair)
-            expected.append(pair[1]["text"])
-    finally:
-        native.engine.stop()
-    mesh = vllm_mesh(demo)
+    pics, jobs, expected = demo_answers(4242, 50)
+    mesh = vllm_mesh(ROOT / "models" / "demo")
     with mesh, grpc.insecure_channel(mesh.target("gateway")) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
 

@@ -6,6 +6,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,11 +17,32 @@ from services.llm.detokenizer import Detokenizer
 from services.llm.engine import Engine
 from services.llm.request import Finish, Request
 from services.llm.runner import ModelRunner
+from services.model import shapes
 from services.model.prompt import PromptBuilder
 from services.model.spec import load_spec
 from services.vision.encoder import VisionEncoder
 from tests.conftest import image_bytes
 from vlmesh.v1 import common_pb2 as pb
+
+
+def demo_answers(seed: int, n: int, max_tokens: int = 8) -> tuple[list, list[tuple[bytes, str]], list[str]]:
+    """n pictures of the demo task, their (PNG, prompt) jobs, and the native CPU engine's answers.
+
+    The reference for the tests that run the same jobs through another path (vLLM, the GPU mesh).
+    """
+    demo = Path(__file__).resolve().parents[2] / "models" / "demo"
+    pics = [shapes.render(np.random.default_rng([seed, i])) for i in range(n)]
+    jobs = [(shapes.encode(p.image, "PNG"), list(shapes.PROMPTS)[i % len(shapes.PROMPTS)]) for i, p in enumerate(pics)]
+    native = Parts(demo, max_batch=8)
+    try:
+        answers = []
+        for data, prompt in jobs:
+            pair = native.request(data, prompt, max_tokens=max_tokens)
+            native.run(pair)
+            answers.append(pair[1]["text"])
+    finally:
+        native.engine.stop()
+    return pics, jobs, answers
 
 
 class Parts:
