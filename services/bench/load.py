@@ -85,9 +85,13 @@ async def run_open_loop(
         await asyncio.wait(tasks, timeout=1.0)
     if progress:
         print(file=sys.stderr)
-    wall = time.perf_counter() - wall0
-    client = {"cpu_s": time.process_time() - cpu0, "wall_s": wall, "cpu_share": (time.process_time() - cpu0) / wall}
-    return [r for r in records if r is not None], client
+    return [r for r in records if r is not None], client_usage(cpu0, wall0)
+
+
+def client_usage(cpu0: float, wall0: float) -> dict:
+    """The load generator's own CPU since (process_time, perf_counter) = (cpu0, wall0)."""
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    return {"cpu_s": cpu, "wall_s": wall, "cpu_share": cpu / wall}
 
 
 async def run_closed_loop(
@@ -129,9 +133,4 @@ async def run_closed_loop(
         if ticker is not None:
             ticker.cancel()
             print(file=sys.stderr)
-    wall = time.perf_counter() - wall0
-    return records, {
-        "cpu_s": time.process_time() - cpu0,
-        "wall_s": wall,
-        "cpu_share": (time.process_time() - cpu0) / wall,
-    }
+    return records, client_usage(cpu0, wall0)
