@@ -1,7 +1,12 @@
-"""The llm engine: `schedule -> run -> postprocess` on one dedicated thread.
+"""The native llm engine: `schedule -> run -> postprocess` on one dedicated thread.
 
-It runs without gRPC. Callers `add` requests and receive `Output`s through each
-request's `emit` callback; `abort` stops a request within one step and frees its slot.
+It implements the Engine interface (services/llm/interface.py) without gRPC: `submit`
+builds a Request and streams its `Output`s to the caller's event loop; `abort` stops a
+request within one step and frees its slot. Features that alias the vision arena (CUDA
+IPC) are read in place: their leases are verified around the prefill and released after it.
+
+The scheduler decides (admit, preempt, finish) and the model runner computes; this loop
+carries out the plan and records what happened in the metrics.
 """
 
 from __future__ import annotations
@@ -12,18 +17,26 @@ import threading
 import time
 
 from services.common.errors import MeshError
-from services.common.metrics import BATCH_SIZE, KV_SLOTS
+from services.common.metrics import BATCH_SIZE, KV_SLOTS, PREEMPTIONS, QUEUE_DEPTH
 from services.common.qos import QosLevel
+from services.llm.interface import EngineStats, Job, Leases
 from services.llm.request import Finish, Output, Request
 from services.llm.runner import ModelRunner
-from services.llm.scheduler import Scheduler
+from services.llm.scheduler import Plan, Scheduler
+from services.llm.submit import QueuedSubmission, new_request, queued_emit
+from services.model.prompt import PromptBuilder
 
 log = logging.getLogger(__name__)
 
 
-class Engine:
-    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+class NativeEngine:
+    """vlmesh's own engine: continuous batching in QoS order, preemption, zero-copy CUDA features."""
+
+    reads_in_place = True
+
+    def __init__(self, runner: ModelRunner, max_batch: int, prompts: PromptBuilder, default_max_tokens: int) -> None:
         self.runner = runner
+        self.prompts, self.default_max_tokens = prompts, default_max_tokens
         self.scheduler = Scheduler(max_batch)
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -33,12 +46,24 @@ class Engine:
         slots = self.scheduler.slots
         KV_SLOTS.labels("used").set_function(lambda: slots.n - slots.free)
         KV_SLOTS.labels("free").set_function(lambda: slots.free)
+        waiting = self.scheduler.waiting_by_qos
+        for q in QosLevel:
+            QUEUE_DEPTH.labels("llm", q.wire).set_function(lambda q=q: waiting[q])
 
     # ---- called from any thread ----
     def start(self) -> None:
         self._thread.start()
 
+    def submit(self, job: Job, leases: Leases | None = None) -> QueuedSubmission:
+        """Build the request (INVALID_ARGUMENT if its prompt leaves no room) and queue it."""
+        outputs, emit = queued_emit()
+        req = new_request(self.prompts, self.default_max_tokens, job, emit)
+        req.leases = leases
+        self.add(req)
+        return QueuedSubmission(req, outputs, self.abort)
+
     def add(self, req: Request) -> None:
+        """Queue a built request; its outputs go to `req.emit` (from the engine thread)."""
         self._inbox.put(("add", req))
         self._wake.set()
 
@@ -55,10 +80,9 @@ class Engine:
     def device(self):
         return self.runner.device
 
-    @property
-    def load(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         s = self.scheduler
-        return {"running": len(s.running), "waiting": s.waiting, "free_slots": s.slots.free}
+        return EngineStats(running=len(s.running), waiting=s.waiting, free_slots=s.slots.free)
 
     # ---- engine thread ----
     def _drain_inbox(self) -> None:
@@ -98,23 +122,26 @@ class Engine:
         for req in list(self.scheduler.running) + self.scheduler.all_waiting():
             self._finish(req, Finish.ABORT, "the llm server is shutting down")
 
-    def _step(self, plan) -> None:
+    def _step(self, plan: Plan) -> None:
         now = time.perf_counter()
+        for req in plan.preempted:
+            self.runner.evict(req)
+            PREEMPTIONS.labels("llm", req.qos.wire).inc()
         for req in plan.prefill:
             resumed = bool(req.preempted_at)  # recompute: the prompt and every token generated so far
             if not resumed:
                 req.scheduled_at = now
                 req.generator = None if req.sampling.greedy else self.runner.new_generator(req.sampling.seed)
             try:
-                if req.verify_leases:
-                    req.verify_leases()  # not reclaimed while the request waited
+                if req.leases:
+                    req.leases.verify()  # not reclaimed while the request waited
                 logits = self.runner.prefill(req)
-                if req.verify_leases and req.qos is QosLevel.BEST_EFFORT:
+                if req.leases and req.qos is QosLevel.BEST_EFFORT:
                     # It may be preempted and recomputed after its leases are gone: keep a copy.
-                    req.image_features = [f.clone() for f in req.image_features]
+                    self.runner.own_features(req)
                 tokens = self.runner.sample([req], logits)  # a host sync: the prefill has read the features
-                if req.verify_leases:
-                    req.verify_leases()  # and they were not reused while it read them
+                if req.leases:
+                    req.leases.verify()  # and they were not reused while it read them
             except MeshError as err:
                 self._finish(req, Finish.ERROR, err)
                 continue

@@ -1,4 +1,12 @@
-"""Per-request state of the llm engine."""
+"""Per-request state of the llm engine.
+
+Imports no torch (tensors appear in type hints only), so the scheduler that orders these
+requests stays a pure policy.
+
+Who changes what: the scheduler changes a request's place in line (`slot`, `preempted_at`);
+the model runner changes its tensors and KV state (`computed`, `image_features`); the engine
+changes its outputs and stage clocks.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +14,17 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from services.common.qos import QosLevel
 from services.common.sampling import Sampling
-from services.llm.detokenizer import Detokenizer
+from services.common.timings import Timings
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.llm.detokenizer import Detokenizer
+    from services.llm.interface import Leases
 
 
 class Finish(enum.Enum):
@@ -49,10 +62,9 @@ class Request:
     computed: int = 0  # tokens whose K/V are in the cache
     generator: torch.Generator | None = None
     aborted: bool = False
-    # Features read in place from the vision arena (CUDA IPC): `verify_leases` raises unless
-    # the leases still hold; `release_leases` hands them back (once, see drop_leases).
-    verify_leases: Callable[[], None] | None = None
-    release_leases: Callable[[], None] | None = None
+    # Features read in place from the vision arena (CUDA IPC): verified before and after the
+    # prefill reads them, then released (once, see drop_leases).
+    leases: Leases | None = None
     preempted_at: list[float] = field(default_factory=list)  # scheduler clock, once per preemption
     # Stage clocks (perf_counter seconds), for the final message's timings.
     scheduled_at: float = 0.0
@@ -60,9 +72,9 @@ class Request:
     finished_at: float = 0.0
 
     def drop_leases(self) -> None:
-        release, self.release_leases, self.verify_leases = self.release_leases, None, None
-        if release is not None:
-            release()
+        leases, self.leases = self.leases, None
+        if leases is not None:
+            leases.release()
 
     @property
     def prompt_len(self) -> int:
@@ -71,3 +83,11 @@ class Request:
     @property
     def image_tokens(self) -> int:
         return sum(f.shape[0] for f in self.image_features)
+
+    def timings(self) -> Timings:
+        """The llm's stages of a finished request."""
+        return Timings(
+            llm_queue=self.scheduled_at - self.arrival,
+            prefill=self.prefill_done_at - self.scheduled_at,
+            decode=self.finished_at - self.prefill_done_at,
+        )

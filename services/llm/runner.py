@@ -103,6 +103,14 @@ class ModelRunner:
             r.computed += 1
         return logits
 
+    def evict(self, req: Request) -> None:
+        """Forget a preempted request's KV state: it resumes by recomputing its prompt and tokens."""
+        req.computed = 0
+
+    def own_features(self, req: Request) -> None:
+        """Replace features that alias the vision arena by copies (their leases are about to go)."""
+        req.image_features = [f.clone() for f in req.image_features]
+
     @torch.inference_mode()
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
         """logits [B, vocab] -> one token id per request (one host sync for the batch)."""

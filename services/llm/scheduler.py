@@ -1,8 +1,10 @@
-"""The llm scheduler: a pure policy over requests and KV slots (CPU only, no torch).
+"""The llm scheduler: a pure policy over requests and KV slots (no torch, no metrics).
 
 Each step it admits waiting requests into free KV slots in QoS order (class, aged by
 waiting time, then arrival) and decodes every running request once. The plan is the
-contract with the model runner.
+contract with the model runner, and it says what happened (admitted, preempted); the
+engine records it. The scheduler alone changes a request's place in line: its queue
+position and its slot.
 
 Preemption: when every slot is taken and a realtime request heads the queue, the scheduler
 takes the slot of a running best-effort request that still competes below it (a best-effort
@@ -15,10 +17,10 @@ its next prefill runs over the prompt and every token it has generated.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.common.metrics import PREEMPTIONS, QUEUE_DEPTH
 from services.common.qos import AGING_S, QosLevel, effective_class
 from services.llm.request import Request
 
@@ -60,10 +62,12 @@ class Scheduler:
         self._waiting: list[Request] = []
         self.running: list[Request] = []
         self.aging_s, self.clock = aging_s, clock
+        # Waiting requests per class, kept as the queue changes (read by the engine's gauges).
+        self.waiting_by_qos: Counter[QosLevel] = Counter()
 
     def add(self, req: Request) -> None:
         self._waiting.append(req)
-        QUEUE_DEPTH.labels("llm", req.qos.wire).inc()
+        self.waiting_by_qos[req.qos] += 1
 
     @property
     def waiting(self) -> int:
@@ -99,9 +103,9 @@ class Scheduler:
     def _realtime_waiting(self) -> bool:
         return any(r.qos is QosLevel.REALTIME for r in self._waiting)
 
-    def _pop(self) -> Request:
-        req = self._waiting.pop(0)
-        QUEUE_DEPTH.labels("llm", req.qos.wire).dec()
+    def _pop(self, index: int = 0) -> Request:
+        req = self._waiting.pop(index)
+        self.waiting_by_qos[req.qos] -= 1
         return req
 
     def _victim(self, head: Request, now: float) -> Request | None:
@@ -115,14 +119,15 @@ class Scheduler:
         return min(candidates, key=lambda r: (len(r.output_ids), -r.arrival), default=None)
 
     def _preempt(self, req: Request, now: float) -> None:
-        """Free a running request's slot and queue it again; it resumes by recomputation."""
+        """Free a running request's slot and queue it again; it resumes by recomputation.
+
+        Its KV state is the runner's to reset (the engine tells it, from the plan).
+        """
         self.running.remove(req)
         self.slots.give(req.slot)
-        req.slot, req.computed = -1, 0
+        req.slot = -1
         req.preempted_at.append(now)
-        self._waiting.append(req)
-        QUEUE_DEPTH.labels("llm", req.qos.wire).inc()
-        PREEMPTIONS.labels("llm", req.qos.wire).inc()
+        self.add(req)
 
     def finish(self, req: Request) -> None:
         """Free a request's slot (finished, aborted or failed)."""
@@ -134,9 +139,7 @@ class Scheduler:
     def drop_waiting(self, request_id: str) -> Request | None:
         for i, req in enumerate(self._waiting):
             if req.id == request_id:
-                self._waiting.pop(i)
-                QUEUE_DEPTH.labels("llm", req.qos.wire).dec()
-                return req
+                return self._pop(i)
         return None
 
     def all_waiting(self) -> list[Request]:

@@ -11,22 +11,28 @@ builds). Requests run under vLLM's `AsyncLLM` with the priority scheduling polic
 Limit: vLLM's front end copies `prompt_embeds` to its engine core (another process unless
 VLLM_ENABLE_V1_MULTIPROCESSING=0), so zero copy ends at the front end. The copy is counted
 in vlmesh_handoffs_total{transport="VLLM_PROMPT_EMBEDS"} and its bytes.
+
+KV space: vLLM reserves a fraction of the whole device (on a CPU host, of the memory node)
+unless told a size. We tell it what this config needs, max batch x the model's context
+(`--vllm-kv-cache-gib` overrides it; so does vLLM's own VLLM_CPU_KVCACHE_SPACE).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from services.common.metrics import HANDOFF_BYTES, HANDOFFS, KV_SLOTS
-from services.common.qos import QosLevel
 from services.common.sampling import Sampling
+from services.llm.interface import EngineStats, Job, Leases
 from services.llm.request import Finish, Output, Request
 from services.llm.submit import new_request
 from services.model.checkpoint import load_decoder
@@ -111,15 +117,33 @@ class VllmSubmission:
         )
 
 
-class VllmEngine:
-    """vLLM's AsyncLLM over the exported language model; `submit` mirrors services/llm/submit.py."""
+def kv_cache_bytes(spec: LlavaSpec, dtype: torch.dtype, max_batch: int) -> int:
+    """K and V of every layer for `max_batch` sequences of the whole context."""
+    t = spec.text
+    return 2 * t.layers * t.kv_heads * t.head_dim * dtype.itemsize * max_batch * t.max_context
 
-    def __init__(self, spec: LlavaSpec, dtype: torch.dtype, max_batch: int) -> None:
+
+class VllmEngine:
+    """vLLM's AsyncLLM over the exported language model, behind the Engine interface."""
+
+    reads_in_place = False  # the features are copied into prompt_embeds at submit
+
+    def __init__(
+        self,
+        spec: LlavaSpec,
+        dtype: torch.dtype,
+        max_batch: int,
+        prompts: PromptBuilder,
+        default_max_tokens: int,
+        kv_cache_gib: float = 0.0,
+    ) -> None:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.spec, self.dtype = spec, dtype
+        self.spec, self.dtype, self.max_batch = spec, dtype, max_batch
+        self.prompts, self.default_max_tokens = prompts, default_max_tokens
         self.device = torch.device("cpu")  # features are imported to the host: prompt_embeds are copied anyway
+        kv_bytes = math.ceil(kv_cache_gib * 2**30) if kv_cache_gib > 0 else kv_cache_bytes(spec, dtype, max_batch)
         text_dir = export_text_model(spec, dtype)
         with safe_open(str(text_dir / "model.safetensors"), framework="pt") as f:
             self.embed_table = f.get_tensor("model.embed_tokens.weight")  # [vocab, H], for prompt_embeds
@@ -136,13 +160,43 @@ class VllmEngine:
             # times (RequestOutput.metrics), which become our spans and timings. AsyncLLM alone
             # does not print the periodic stats lines (vLLM's API server asks for those).
             disable_log_stats=False,
+            kv_cache_memory_bytes=kv_bytes,
         )
-        self.llm = AsyncLLM.from_engine_args(args)
+        try:
+            self.llm = AsyncLLM.from_engine_args(args)
+        except Exception as err:
+            # vLLM's own message is many lines under a traceback; name the setting to change.
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(
+                f"vLLM did not start with {kv_bytes / 2**30:.2f} GiB of KV space for {max_batch} sequences "
+                f"(--vllm-kv-cache-gib, --max-llm-batch): {first}"
+            ) from err
         # Requests vLLM holds (each with its KV blocks), in the native engine's gauge.
         held = self.llm.output_processor.get_num_unfinished_requests
         KV_SLOTS.labels("used").set_function(held)
         KV_SLOTS.labels("free").set_function(lambda: max(0, max_batch - held()))
-        log.info("vLLM engine ready: %s, max %d sequences, %s", text_dir, max_batch, dtype)
+        log.info(
+            "vLLM engine ready: %s, max %d sequences, %s, KV space %.2f GiB",
+            text_dir,
+            max_batch,
+            dtype,
+            kv_bytes / 2**30,
+        )
+        self._aborts: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        """Nothing to start: AsyncLLM runs from construction."""
+
+    def stats(self) -> EngineStats:
+        # vLLM tells only how many requests it holds, queued or running: all count as running.
+        held = self.llm.output_processor.get_num_unfinished_requests()
+        return EngineStats(running=held, waiting=0, free_slots=max(0, self.max_batch - held))
+
+    def abort(self, request_id: str) -> None:
+        """On the event loop: vLLM's abort is a coroutine."""
+        task = asyncio.get_running_loop().create_task(self.llm.abort(request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     @torch.inference_mode()
     def _embeds(self, ids: list[int], positions: list[int], features: list[torch.Tensor]) -> torch.Tensor:
@@ -169,26 +223,16 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
         )
 
-    def submit(
-        self,
-        prompts: PromptBuilder,
-        default_max_tokens: int,
-        request_id: str,
-        prompt: str,
-        features: list[torch.Tensor],
-        sampling: Sampling,
-        qos: QosLevel,
-        lease_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None,
-    ) -> VllmSubmission:
-        """As services.llm.submit.submit; the features are copied into the prompt here, so no lease is held."""
-        if lease_hooks is not None:
+    def submit(self, job: Job, leases: Leases | None = None) -> VllmSubmission:
+        """Copy the features into the prompt's embeddings; the caller releases any leases after this."""
+        if leases is not None:
             raise ValueError("the vLLM engine copies the features at submit: release the leases instead")
         # The detokenizer stays unused (vLLM detokenizes) and outputs arrive through `outputs()`.
-        req = new_request(prompts, default_max_tokens, request_id, prompt, features, sampling, qos, lambda out: None)
-        embeds = self._embeds(req.prompt_ids, req.image_positions, features)
+        req = new_request(self.prompts, self.default_max_tokens, job, lambda out: None)
+        embeds = self._embeds(req.prompt_ids, req.image_positions, job.features)
         HANDOFFS.labels(TRANSPORT).inc()
         HANDOFF_BYTES.labels(TRANSPORT).inc(embeds.numel() * embeds.element_size())
-        return VllmSubmission(self, req, embeds, self._params(sampling, req.max_new))
+        return VllmSubmission(self, req, embeds, self._params(job.sampling, req.max_new))
 
     def stop(self) -> None:
         self.llm.shutdown()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from services.launcher import Mesh, MeshOptions
+from services.llm.interface import EngineStats
 from tests.conftest import image_bytes
 from tests.integration.test_oracle import CASES, hf_inputs
 from tests.unit.test_engine import PROMPTS, Parts
@@ -27,7 +28,7 @@ def exact_fp32():
 
 class CudaParts(Parts):
     def __init__(self, model_dir, max_batch: int, dtype: str) -> None:
-        from services.llm.engine import Engine
+        from services.llm.engine import NativeEngine
         from services.llm.runner import ModelRunner
         from services.model.prompt import PromptBuilder
         from services.model.spec import load_spec, resolve_dtype
@@ -37,7 +38,8 @@ class CudaParts(Parts):
         device = torch.device("cuda")
         self.prompts = PromptBuilder(spec)
         self.vision = VisionEncoder(spec, "cuda", dtype)
-        self.engine = Engine(ModelRunner(spec, device, resolve_dtype(dtype, device), max_batch), max_batch)
+        runner = ModelRunner(spec, device, resolve_dtype(dtype, device), max_batch)
+        self.engine = NativeEngine(runner, max_batch, self.prompts, default_max_tokens=256)
         self.engine.start()
         self._n = 0
 
@@ -88,7 +90,7 @@ def test_cuda_engine_bf16_runs(tiny_model):
     try:
         outs = run_all(gpu, 16)
         assert all(len(ids) == 16 for ids in outs)
-        assert gpu.engine.load == {"running": 0, "waiting": 0, "free_slots": 3}
+        assert gpu.engine.stats() == EngineStats(running=0, waiting=0, free_slots=3)
     finally:
         gpu.engine.stop()
 

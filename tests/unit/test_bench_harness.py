@@ -14,6 +14,7 @@ from services.bench.report import summarize_run
 from services.bench.stats import exponential_ks, percentile, summarize
 from services.bench.targets import Outcome
 from services.bench.workloads import WORKLOADS, RequestFactory, padded_prompt
+from services.common.timings import Timings
 
 
 @pytest.mark.parametrize("q", [0, 1, 10, 50, 90, 99, 99.9, 100])
@@ -55,7 +56,7 @@ class FlakyTarget:
             raise RuntimeError("target bug")
         if roll < 0.3:
             return Outcome("RESOURCE_EXHAUSTED", 0.001)
-        return Outcome("OK", 0.01, 0.004, 16, {"prefill": 1.0})
+        return Outcome("OK", 0.01, 0.004, 16, Timings(prefill=0.001))
 
 
 def test_sent_equals_sum_of_statuses(tiny_model):

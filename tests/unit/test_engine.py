@@ -14,7 +14,8 @@ from services.common.errors import FailedPrecondition
 from services.common.qos import QosLevel
 from services.common.sampling import check_sampling
 from services.llm.detokenizer import Detokenizer
-from services.llm.engine import Engine
+from services.llm.engine import NativeEngine
+from services.llm.interface import EngineStats
 from services.llm.request import Finish, Request
 from services.llm.runner import ModelRunner
 from services.model import shapes
@@ -50,7 +51,8 @@ class Parts:
         spec = load_spec(model_dir)
         self.prompts = PromptBuilder(spec)
         self.vision = VisionEncoder(spec, "cpu", "float32")
-        self.engine = Engine(ModelRunner(spec, torch.device("cpu"), torch.float32, max_batch), max_batch)
+        runner = ModelRunner(spec, torch.device("cpu"), torch.float32, max_batch)
+        self.engine = NativeEngine(runner, max_batch, self.prompts, default_max_tokens=256)
         self.engine.start()
         self._n = 0
 
@@ -115,7 +117,7 @@ def test_batched_equals_alone(parts):
     parts.run(*pairs)
     assert [box["ids"] for _, box in pairs] == alone
     assert all(box["finish"] is Finish.LENGTH for _, box in pairs)
-    assert parts.engine.load == {"running": 0, "waiting": 0, "free_slots": 3}
+    assert parts.engine.stats() == EngineStats(running=0, waiting=0, free_slots=3)
 
 
 def test_seeded_sampling_is_reproducible(parts):
@@ -155,7 +157,7 @@ def test_abort_frees_the_slot(parts):
     for _, box in pairs:
         assert box["done"].wait(30)
         assert box["finish"] is Finish.ABORT
-    assert parts.engine.load == {"running": 0, "waiting": 0, "free_slots": 3}
+    assert parts.engine.stats() == EngineStats(running=0, waiting=0, free_slots=3)
     ok = parts.request(0, PROMPTS[0], max_tokens=3)
     parts.run(ok)
     assert ok[1]["finish"] in (Finish.LENGTH, Finish.STOP)
@@ -194,7 +196,7 @@ class Leases:
 
 
 def with_leases(pair, leases: Leases):
-    pair[0].verify_leases, pair[0].release_leases = leases.verify, leases.release
+    pair[0].leases = leases
     pair[1]["errors"] = []
     emit = pair[0].emit
 
@@ -267,4 +269,4 @@ def test_realtime_overtakes_a_full_batch_of_best_effort_and_the_preempted_finish
     for (_, want), (_, got) in zip(alone, be, strict=True):
         assert got["finish"] is Finish.LENGTH and got["ids"] == want["ids"]  # recomputed, same tokens
         assert got["text"] == want["text"]
-    assert parts.engine.load == {"running": 0, "waiting": 0, "free_slots": 3}
+    assert parts.engine.stats() == EngineStats(running=0, waiting=0, free_slots=3)

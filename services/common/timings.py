@@ -1,0 +1,46 @@
+"""Where one request's time went: one typed value, in seconds, from the stage that measures
+it to the client, the metrics, the gateway's admission and the benchmark.
+
+Each service fills the stages it runs; the gateway merges them and adds its own. Only the
+wire (vlmesh.v1.StageTimings) carries milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from vlmesh.v1 import common_pb2 as pb
+
+
+@dataclass(frozen=True)
+class Timings:
+    admission: float = 0.0  # gateway: validation and admission
+    vision_queue: float = 0.0  # vision: waiting for a batch
+    preprocess: float = 0.0  # vision: decode, resize, normalize
+    vision: float = 0.0  # vision: ViT + projector forward
+    handoff: float = 0.0  # export into the arena + import by the llm
+    llm_queue: float = 0.0  # llm: waiting for a batch slot
+    prefill: float = 0.0
+    decode: float = 0.0
+    ttft: float = 0.0  # gateway: request received to first token sent
+    total: float = 0.0  # gateway: request received to final message
+
+    @property
+    def queue(self) -> float:
+        """All the waiting: admission and both services' queues."""
+        return self.admission + self.vision_queue + self.llm_queue
+
+    def merge(self, other: Timings) -> Timings:
+        """Stage by stage sums: each service measures its own stages (the hand-off has two halves)."""
+        return Timings(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)))
+
+    def replace(self, **stages: float) -> Timings:
+        return dataclasses.replace(self, **stages)
+
+    def to_pb(self) -> pb.StageTimings:
+        return pb.StageTimings(**{f"{name}_ms": value * 1000 for name, value in dataclasses.asdict(self).items()})
+
+    @classmethod
+    def from_pb(cls, t: pb.StageTimings) -> Timings:
+        return cls(**{f.name: getattr(t, f"{f.name}_ms") / 1000 for f in dataclasses.fields(cls)})
