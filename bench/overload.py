@@ -32,6 +32,7 @@ from services.bench.workloads import WORKLOADS, RequestFactory
 from services.common import eventloop
 from services.common.qos import QosLevel
 from services.launcher import Mesh, MeshOptions
+from services.llm import config as llm_config
 
 MIX = (0.2, 0.6, 0.2)  # realtime, standard, best-effort
 
@@ -83,7 +84,8 @@ async def run(args) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     mesh = Mesh(
-        MeshOptions(
+        MeshOptions.from_flags(
+            args.admission,  # gateway admission flags, e.g. --max-in-flight realtime=16
             model=args.model,
             gateway_port=0,
             vision_port=0,
@@ -94,7 +96,6 @@ async def run(args) -> dict:
             max_llm_batch=args.max_llm_batch,
             warmup_requests=4,
             log_level="warning",
-            admission_flags=tuple(args.admission),
         )
     )
     mesh.start(progress=lambda m: print(f"overload: {m}", file=sys.stderr, flush=True))
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--unloaded-s", type=float, default=25.0, help="seconds of each realtime-alone run (default %(default)s)"
     )
-    p.add_argument("--max-llm-batch", type=int, default=8)
+    p.add_argument("--max-llm-batch", type=int, default=llm_config.DEFAULT_MAX_BATCH)
     p.add_argument("--threads", type=int, default=1, help="torch threads per service (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")

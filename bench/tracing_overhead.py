@@ -36,7 +36,7 @@ def run(model: str, n: int, env: dict[str, str]) -> tuple[float, float]:
     """Return (median latency ms, server CPU ms per request) for n sequential requests."""
     import numpy as np
 
-    opts = MeshOptions(
+    opts = MeshOptions.from_flags(
         model=model,
         gateway_port=0,
         vision_port=0,

@@ -12,6 +12,7 @@ import grpc
 
 from services.common.qos import QOS_METADATA_KEY, QosLevel
 from services.common.server import GRPC_OPTIONS
+from services.gateway.config import DEFAULT_TARGET
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--image", type=Path, required=True, help="image file (JPEG, PNG, WebP, ...)")
     p.add_argument("--prompt", required=True, help="question or instruction about the image")
-    p.add_argument("--target", default="127.0.0.1:50051", help="gateway HOST:PORT (default %(default)s)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="gateway HOST:PORT (default %(default)s)")
     p.add_argument(
         "--qos-level",
         default="standard",

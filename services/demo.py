@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         picture = sample_picture(image, args.seed)
         if args.prompt in PROMPTS:
             truth = picture.answer(args.prompt)
-    opts = MeshOptions(
+    opts = MeshOptions.from_flags(
         metrics_ports=(0, 0, 0),
         model=str(model),
         gateway_port=0,

@@ -77,7 +77,7 @@ def mesh_options(model, **overrides) -> MeshOptions:
         "extra_env": {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
     }
     opts.update(overrides)
-    return MeshOptions(**opts)
+    return MeshOptions.from_flags(**opts)
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,8 @@ from services.bench.report import compare_seeds, plot, summarize_run, table, wri
 from services.bench.workloads import WORKLOADS, RequestFactory
 from services.common import eventloop
 from services.common.config import READY_SIGNALS
+from services.llm import config as llm_config
+from services.vision import config as vision_config
 
 TARGETS = ("mesh", "inprocess", "hf", "vllm")
 SAME_ANSWER_CHECKS = 4
@@ -93,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-seeds", action="store_true", help="print the write-ups' table beside ours")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-vision-batch", type=int, default=4)
-    p.add_argument("--max-llm-batch", type=int, default=8)
+    p.add_argument("--max-vision-batch", type=int, default=vision_config.DEFAULT_MAX_BATCH)
+    p.add_argument("--max-llm-batch", type=int, default=llm_config.DEFAULT_MAX_BATCH)
     p.add_argument("--ready-signal", default="sync", choices=READY_SIGNALS, help="CUDA hand-off readiness (mesh)")
     p.add_argument(
         "--event-loop",
@@ -197,7 +199,7 @@ def serve(name: str, args, say):
         from services.launcher import Mesh, MeshOptions
 
         mesh = Mesh(
-            MeshOptions(
+            MeshOptions.from_flags(
                 metrics_ports=(0, 0, 0),
                 model=args.model,
                 gateway_port=0,

@@ -20,69 +20,22 @@ Every admitted request counts as in flight until it is answered, whatever the ou
   told so at once instead of after the wait.
 
 Every refusal is RESOURCE_EXHAUSTED with google.rpc RetryInfo (when the work ahead should
-have drained), counted by class and reason.
+have drained), counted by class and reason. The config, its defaults and its flags:
+AdmissionConfig in services/gateway/config.py.
 """
 
 from __future__ import annotations
 
-import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.common import metrics
 from services.common.errors import ResourceExhausted
-from services.common.qos import QosLevel, parse_qos
+from services.common.qos import QosLevel
+from services.gateway.config import STAGES, AdmissionConfig
 
-STAGES = ("preprocess", "vision", "prefill", "decode")
-DEFAULT_STAGE_BUDGETS_MS = {"preprocess": 120.0, "vision": 300.0, "prefill": 180.0, "decode": 200.0}
-BUDGET_OUTPUT_TOKENS = 16  # the decode budget is for this many output tokens (the write-ups' workloads)
-DEFAULT_CLASS_SCALE = {QosLevel.REALTIME: 5.0, QosLevel.STANDARD: 10.0, QosLevel.BEST_EFFORT: 40.0}
-# Default in-flight limits, in multiples of the mesh's parallelism (the llm's batch).
-IN_FLIGHT_PER_BATCH = {QosLevel.REALTIME: 8, QosLevel.STANDARD: 6, QosLevel.BEST_EFFORT: 3}
 EWMA_WEIGHT = 0.1  # of each new sample: about the last 10-20 answered requests
 MIN_RETRY_S = 0.1
-
-
-def parse_pairs(text: str, flag: str, keys) -> dict[str, float]:
-    """'a=1,b=2' -> {'a': 1.0, 'b': 2.0}; ValueError naming the flag on a bad or unknown key."""
-    out: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = part.partition("=")
-        key = key.strip()
-        try:
-            number = float(value)
-        except ValueError:
-            number = math.nan
-        if not sep or key not in keys or not number > 0:
-            raise ValueError(f"{flag} {text!r}: expected {','.join(f'{k}=N' for k in keys)} with N > 0")
-        out[key] = number
-    return out
-
-
-def parse_class_pairs(text: str, flag: str) -> dict[QosLevel, float]:
-    return {parse_qos(k): v for k, v in parse_pairs(text, flag, [q.wire for q in QosLevel]).items()}
-
-
-def default_limits(parallelism: int) -> dict[QosLevel, int]:
-    return {q: n * parallelism for q, n in IN_FLIGHT_PER_BATCH.items()}
-
-
-@dataclass(frozen=True)
-class AdmissionConfig:
-    parallelism: int = 8  # requests the mesh serves at once: the llm's --max-llm-batch
-    max_in_flight: dict[QosLevel, int] = field(default_factory=lambda: default_limits(8))
-    stage_budgets_ms: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_STAGE_BUDGETS_MS))
-    class_scale: dict[QosLevel, float] = field(default_factory=lambda: dict(DEFAULT_CLASS_SCALE))
-
-    def check(self) -> None:
-        limits = [self.max_in_flight[q] for q in QosLevel]
-        if limits != sorted(limits, reverse=True):
-            raise ValueError(f"--max-in-flight: a higher class needs a limit at least as high, got {limits}")
-        if self.parallelism < 1:
-            raise ValueError(f"--admission-parallelism {self.parallelism} must be >= 1")
-
-    def budget_s(self, qos: QosLevel) -> float:
-        return sum(self.stage_budgets_ms.values()) * self.class_scale[qos] / 1000
 
 
 @dataclass
@@ -165,59 +118,3 @@ class Admission:
                     ms /= output_tokens - 1  # the first token comes from the prefill
                 old = self.stage_s[stage]
                 self.stage_s[stage] = ms / 1000 if old is None else old + EWMA_WEIGHT * (ms / 1000 - old)
-
-
-def _pairs_text(pairs: dict) -> str:
-    return ",".join(f"{getattr(k, 'wire', k)}={v:g}" for k, v in pairs.items())
-
-
-def add_admission_args(parser) -> None:
-    """The admission flags, shared by `vlmesh serve gateway` and `vlmesh up` (which passes them on)."""
-    g = parser.add_argument_group("admission (gateway; see services/gateway/admission.py)")
-    g.add_argument(
-        "--max-in-flight",
-        default="",
-        help="per class, e.g. realtime=64,standard=48,best-effort=24: admit while the mesh's total in flight "
-        "is below this, so lower classes are refused first (default: 8, 6 and 3 times the llm's batch)",
-    )
-    g.add_argument(
-        "--stage-budgets-ms",
-        default=_pairs_text(DEFAULT_STAGE_BUDGETS_MS),
-        help="per-stage latency budgets, decode for 16 output tokens (default: the write-ups', %(default)s)",
-    )
-    g.add_argument(
-        "--class-budget-scale",
-        default=_pairs_text(DEFAULT_CLASS_SCALE),
-        help="per class: its budget is the stage budgets' sum times this (default %(default)s)",
-    )
-
-
-def admission_argv(args) -> list[str]:
-    """The admission flags of parsed `args`, to pass on to a gateway process."""
-    return [
-        "--max-in-flight",
-        args.max_in_flight,
-        "--stage-budgets-ms",
-        args.stage_budgets_ms,
-        "--class-budget-scale",
-        args.class_budget_scale,
-    ]
-
-
-def admission_config(args, parallelism: int) -> AdmissionConfig:
-    """Parsed flags over the defaults; ValueError names the flag at fault."""
-    limits = {**default_limits(parallelism), **parse_class_pairs(args.max_in_flight, "--max-in-flight")}
-    for q, n in limits.items():
-        if n != int(n):
-            raise ValueError(f"--max-in-flight {args.max_in_flight!r}: {q.wire} needs a whole number")
-    cfg = AdmissionConfig(
-        max_in_flight={q: int(n) for q, n in limits.items()},
-        stage_budgets_ms={
-            **DEFAULT_STAGE_BUDGETS_MS,
-            **parse_pairs(args.stage_budgets_ms, "--stage-budgets-ms", STAGES),
-        },
-        class_scale={**DEFAULT_CLASS_SCALE, **parse_class_pairs(args.class_budget_scale, "--class-budget-scale")},
-        parallelism=parallelism,
-    )
-    cfg.check()
-    return cfg

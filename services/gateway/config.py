@@ -1,31 +1,163 @@
-"""Typed configuration of the gateway."""
+"""Typed configuration of the gateway, admission's included (its logic: services/gateway/admission.py)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
-from services.common.config import ServerConfig, add_server_args, server_config
-from services.gateway.admission import AdmissionConfig, add_admission_args, admission_config
+from services.common.config import (
+    DEFAULT_HOST,
+    LLM_MAX_BATCH,
+    MESH_METRICS_PORTS,
+    MESH_PORTS,
+    ServerConfig,
+    add_flags,
+    flag,
+    from_args,
+    nested,
+)
+from services.common.qos import QosLevel, parse_qos
 
-DEFAULT_PORT = 50051
+DEFAULT_PORT = MESH_PORTS["gateway"]
+DEFAULT_METRICS_PORT = MESH_METRICS_PORTS["gateway"]
+DEFAULT_TARGET = f"{DEFAULT_HOST}:{DEFAULT_PORT}"  # where clients find the gateway
+DEFAULT_VISION_TARGET = f"{DEFAULT_HOST}:{MESH_PORTS['vision']}"
+DEFAULT_LLM_TARGET = f"{DEFAULT_HOST}:{MESH_PORTS['llm']}"
+
+STAGES = ("preprocess", "vision", "prefill", "decode")
+DEFAULT_STAGE_BUDGETS_MS = {"preprocess": 120.0, "vision": 300.0, "prefill": 180.0, "decode": 200.0}
+BUDGET_OUTPUT_TOKENS = 16  # the decode budget is for this many output tokens (the write-ups' workloads)
+DEFAULT_CLASS_SCALE = {QosLevel.REALTIME: 5.0, QosLevel.STANDARD: 10.0, QosLevel.BEST_EFFORT: 40.0}
+# Default in-flight limits, in multiples of the mesh's parallelism (the llm's batch).
+IN_FLIGHT_PER_BATCH = {QosLevel.REALTIME: 8, QosLevel.STANDARD: 6, QosLevel.BEST_EFFORT: 3}
 
 
-@dataclass(frozen=True)
+def parse_pairs(text: str, flag: str, keys) -> dict[str, float]:
+    """'a=1,b=2' -> {'a': 1.0, 'b': 2.0}; ValueError naming the flag on a bad or unknown key."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not sep or key not in keys or not number > 0:
+            raise ValueError(f"{flag} {text!r}: expected {','.join(f'{k}=N' for k in keys)} with N > 0")
+        out[key] = number
+    return out
+
+
+def parse_class_pairs(text: str, flag: str) -> dict[QosLevel, float]:
+    return {parse_qos(k): v for k, v in parse_pairs(text, flag, [q.wire for q in QosLevel]).items()}
+
+
+def pairs_text(pairs: dict) -> str:
+    """{'a': 1.0, QosLevel.REALTIME: 2} -> 'a=1,realtime=2' (exact: what parse_pairs reads back)."""
+
+    def number(v: float) -> str:
+        short = f"{v:g}"
+        return short if float(short) == v else repr(float(v))
+
+    return ",".join(f"{getattr(k, 'wire', k)}={number(v)}" for k, v in pairs.items())
+
+
+def default_limits(parallelism: int) -> dict[QosLevel, int]:
+    return {q: n * parallelism for q, n in IN_FLIGHT_PER_BATCH.items()}
+
+
+def parse_limits(text: str) -> dict[QosLevel, int]:
+    """--max-in-flight: the classes it names (the others get IN_FLIGHT_PER_BATCH x parallelism)."""
+    limits = parse_class_pairs(text, "--max-in-flight")
+    for q, n in limits.items():
+        if n != int(n):
+            raise ValueError(f"--max-in-flight {text!r}: {q.wire} needs a whole number")
+    return {q: int(n) for q, n in limits.items()}
+
+
+def parse_stage_budgets(text: str) -> dict[str, float]:
+    return {**DEFAULT_STAGE_BUDGETS_MS, **parse_pairs(text, "--stage-budgets-ms", STAGES)}
+
+
+def parse_class_scale(text: str) -> dict[QosLevel, float]:
+    return {**DEFAULT_CLASS_SCALE, **parse_class_pairs(text, "--class-budget-scale")}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdmissionConfig:
+    FLAGS_TITLE = "admission (gateway; see services/gateway/admission.py)"
+
+    # Given: the classes --max-in-flight names; __post_init__ adds the others' defaults.
+    max_in_flight: dict[QosLevel, int] = flag(  # noqa: RUF009
+        "--max-in-flight",
+        default_factory=dict,
+        parse=parse_limits,
+        text=pairs_text,
+        help="per class, e.g. realtime=64,standard=48,best-effort=24: admit while the mesh's total in flight "
+        "is below this, so lower classes are refused first (default: 8, 6 and 3 times the llm's batch)",
+    )
+    stage_budgets_ms: dict[str, float] = flag(  # noqa: RUF009
+        "--stage-budgets-ms",
+        default_factory=lambda: dict(DEFAULT_STAGE_BUDGETS_MS),
+        parse=parse_stage_budgets,
+        text=pairs_text,
+        help="per-stage latency budgets, decode for 16 output tokens (default: the write-ups', %(default)s)",
+    )
+    class_scale: dict[QosLevel, float] = flag(  # noqa: RUF009
+        "--class-budget-scale",
+        default_factory=lambda: dict(DEFAULT_CLASS_SCALE),
+        parse=parse_class_scale,
+        text=pairs_text,
+        help="per class: its budget is the stage budgets' sum times this (default %(default)s)",
+    )
+    parallelism: int = flag(
+        "--admission-parallelism",
+        default=LLM_MAX_BATCH,
+        help="requests the mesh serves at once, for the admission estimate: the llm's --max-llm-batch "
+        "(default %(default)s; vlmesh up passes it on)",
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_in_flight", {**default_limits(self.parallelism), **self.max_in_flight})
+
+    def check(self) -> None:
+        limits = [self.max_in_flight[q] for q in QosLevel]
+        if limits != sorted(limits, reverse=True):
+            raise ValueError(f"--max-in-flight: a higher class needs a limit at least as high, got {limits}")
+        if self.parallelism < 1:
+            raise ValueError(f"--admission-parallelism {self.parallelism} must be >= 1")
+
+    def budget_s(self, qos: QosLevel) -> float:
+        return sum(self.stage_budgets_ms.values()) * self.class_scale[qos] / 1000
+
+
+@dataclass(frozen=True, kw_only=True)
 class GatewayConfig:
-    server: ServerConfig
-    vision_target: str
-    llm_target: str
-    max_images: int
-    tenants: str | None
-    admission: AdmissionConfig
+    FLAGS_TITLE = "gateway"
+
+    server: ServerConfig = nested(ServerConfig, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)  # noqa: RUF009
+    vision_target: str = flag(
+        "--vision-target", default=DEFAULT_VISION_TARGET, help="vision service HOST:PORT (default %(default)s)"
+    )
+    llm_target: str = flag(
+        "--llm-target", default=DEFAULT_LLM_TARGET, help="llm service HOST:PORT (default %(default)s)"
+    )
+    max_images: int = flag("--max-images", default=1, help="images per request (default %(default)s)")
+    tenants: str | None = flag(
+        "--tenants",
+        default=None,
+        metavar="FILE",
+        help="JSON file of tenants (API keys, max qos-level, rate limits); auth is off without it",
+    )
+    admission: AdmissionConfig = nested(AdmissionConfig)  # noqa: RUF009
 
     def check(self) -> None:
         self.server.check()
         self.admission.check()
-        for flag, target in (("--vision-target", self.vision_target), ("--llm-target", self.llm_target)):
+        for flag_name, target in (("--vision-target", self.vision_target), ("--llm-target", self.llm_target)):
             if ":" not in target:
-                raise ValueError(f"{flag} {target!r} must be HOST:PORT (or unix:PATH)")
+                raise ValueError(f"{flag_name} {target!r} must be HOST:PORT (or unix:PATH)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,37 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="The public API (vlmesh.v1.Gateway): validates requests and the qos-level, calls "
         "vision.Encode, then streams llm.Generate back to the client.",
     )
-    add_server_args(p, DEFAULT_PORT, 9464)
-    g = p.add_argument_group("gateway")
-    g.add_argument("--vision-target", default="127.0.0.1:50052", help="vision service HOST:PORT (default %(default)s)")
-    g.add_argument("--llm-target", default="127.0.0.1:50053", help="llm service HOST:PORT (default %(default)s)")
-    g.add_argument("--max-images", type=int, default=1, help="images per request (default %(default)s)")
-    g.add_argument(
-        "--tenants",
-        default=None,
-        metavar="FILE",
-        help="JSON file of tenants (API keys, max qos-level, rate limits); auth is off without it",
-    )
-    add_admission_args(p)
-    p.add_argument(
-        "--admission-parallelism",
-        type=int,
-        default=8,
-        help="requests the mesh serves at once, for the admission estimate: the llm's --max-llm-batch "
-        "(default %(default)s; vlmesh up passes it on)",
-    )
+    add_flags(p, GatewayConfig)
     return p
 
 
 def parse(argv: list[str] | None = None) -> GatewayConfig:
-    args = build_parser().parse_args(argv)
-    cfg = GatewayConfig(
-        server=server_config(args),
-        vision_target=args.vision_target,
-        llm_target=args.llm_target,
-        max_images=args.max_images,
-        tenants=args.tenants,
-        admission=admission_config(args, args.admission_parallelism),
-    )
+    cfg = from_args(GatewayConfig, build_parser().parse_args(argv))
     cfg.check()
     return cfg

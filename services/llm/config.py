@@ -7,29 +7,60 @@ import importlib.util
 from dataclasses import dataclass
 
 from services.common.config import (
+    LLM_MAX_BATCH,
+    MESH_METRICS_PORTS,
+    MESH_PORTS,
     ModelConfig,
     ServerConfig,
-    add_model_args,
-    add_server_args,
-    model_config,
-    server_config,
+    add_flags,
+    flag,
+    from_args,
+    nested,
 )
 
-DEFAULT_PORT = 50053
+DEFAULT_PORT = MESH_PORTS["llm"]
+DEFAULT_METRICS_PORT = MESH_METRICS_PORTS["llm"]
+DEFAULT_MAX_BATCH = LLM_MAX_BATCH
 ENGINES = ("native", "vllm")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LlmConfig:
-    server: ServerConfig
-    model: ModelConfig
-    engine: str
-    max_batch: int
-    default_max_tokens: int
-    vision_target: str | None
+    FLAGS_TITLE = "llm"
+
+    server: ServerConfig = nested(ServerConfig, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)  # noqa: RUF009
+    model: ModelConfig = nested(ModelConfig)  # noqa: RUF009
+    engine: str = flag(
+        "--llm-engine",
+        default="native",
+        choices=ENGINES,
+        help="native: vlmesh's engine (zero-copy CUDA features, preemption); vllm: vLLM's AsyncLLM with "
+        "priority scheduling (default %(default)s)",
+    )
+    max_batch: int = flag(
+        "--max-llm-batch", default=DEFAULT_MAX_BATCH, help="sequences decoded together (default %(default)s)"
+    )
+    default_max_tokens: int = flag(
+        "--default-max-tokens",
+        default=256,
+        help="tokens to generate when a request leaves max_tokens unset (default %(default)s)",
+    )
+    vision_target: str | None = flag(
+        "--vision-target",
+        default=None,
+        help="HOST:PORT of this worker's vision service, to release feature leases early (else the TTL does)",
+    )
+    vllm_kv_cache_gib: float = flag(
+        "--vllm-kv-cache-gib",
+        default=0.0,
+        help="GiB of KV cache for --llm-engine vllm; 0 sizes vLLM's KV space from this config: "
+        "--max-llm-batch x the model's context. On a CPU host it sets VLLM_CPU_KVCACHE_SPACE "
+        "(default %(default)s)",
+    )
 
     def check(self) -> None:
         self.server.check()
+        self.model.check()
         problems = []
         if self.engine not in ENGINES:
             problems.append(f"--llm-engine {self.engine!r}: use one of {', '.join(ENGINES)}")
@@ -42,6 +73,8 @@ class LlmConfig:
             problems.append(f"--max-llm-batch {self.max_batch} must be >= 1")
         if self.default_max_tokens < 1:
             problems.append(f"--default-max-tokens {self.default_max_tokens} must be >= 1")
+        if self.vllm_kv_cache_gib < 0:
+            problems.append(f"--vllm-kv-cache-gib {self.vllm_kv_cache_gib} must be >= 0")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -52,40 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="The llm decoder: applies the chat template, reads image features through their "
         "TensorRefs, and streams tokens with continuous batching in QoS order.",
     )
-    add_server_args(p, DEFAULT_PORT, 9466)
-    add_model_args(p)
-    g = p.add_argument_group("llm")
-    g.add_argument(
-        "--llm-engine",
-        choices=ENGINES,
-        default="native",
-        help="native: vlmesh's engine (zero-copy CUDA features, preemption); vllm: vLLM's AsyncLLM with "
-        "priority scheduling (default %(default)s)",
-    )
-    g.add_argument("--max-llm-batch", type=int, default=8, help="sequences decoded together (default %(default)s)")
-    g.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=256,
-        help="tokens to generate when a request leaves max_tokens unset (default %(default)s)",
-    )
-    g.add_argument(
-        "--vision-target",
-        default=None,
-        help="HOST:PORT of this worker's vision service, to release feature leases early (else the TTL does)",
-    )
+    add_flags(p, LlmConfig)
     return p
 
 
 def parse(argv: list[str] | None = None) -> LlmConfig:
-    args = build_parser().parse_args(argv)
-    cfg = LlmConfig(
-        server=server_config(args),
-        model=model_config(args),
-        engine=args.llm_engine,
-        max_batch=args.max_llm_batch,
-        default_max_tokens=args.default_max_tokens,
-        vision_target=args.vision_target,
-    )
+    cfg = from_args(LlmConfig, build_parser().parse_args(argv))
     cfg.check()
     return cfg

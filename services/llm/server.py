@@ -8,8 +8,7 @@ from services.common.config import resolve_device
 from services.common.metrics import watch_gpu_memory
 from services.common.server import run_service, serve_until_signal, start_server
 from services.llm import config as llm_config
-from services.llm.engine import Engine
-from services.llm.runner import ModelRunner
+from services.llm.engines import build_engine
 from services.llm.servicer import LlmServicer
 from services.model.prompt import PromptBuilder
 from services.model.spec import load_spec, resolve_dtype
@@ -24,14 +23,11 @@ async def serve(cfg: llm_config.LlmConfig) -> None:
     device = resolve_device(cfg.model.device)
     watch_gpu_memory("llm", device)
     dtype = resolve_dtype(cfg.model.dtype, device)
-    if cfg.engine == "vllm":
-        from services.llm.vllm_engine import VllmEngine
-
-        engine = VllmEngine(spec, dtype, cfg.max_batch)
-    else:
-        engine = Engine(ModelRunner(spec, device, dtype, cfg.max_batch), cfg.max_batch)
-        engine.start()
-    servicer = LlmServicer(engine, PromptBuilder(spec), cfg.default_max_tokens, cfg.vision_target)
+    prompts = PromptBuilder(spec)
+    engine = build_engine(
+        cfg.engine, prompts, device, dtype, cfg.max_batch, cfg.default_max_tokens, cfg.vllm_kv_cache_gib
+    )
+    servicer = LlmServicer(engine, prompts, cfg.default_max_tokens, cfg.vision_target)
     try:
         running = await start_server(
             cfg.server,

@@ -6,31 +6,52 @@ import argparse
 from dataclasses import dataclass
 
 from services.common.config import (
+    MESH_METRICS_PORTS,
+    MESH_PORTS,
     READY_SIGNALS,
     ModelConfig,
     ServerConfig,
-    add_model_args,
-    add_server_args,
-    model_config,
-    server_config,
+    add_flags,
+    flag,
+    from_args,
+    nested,
 )
 
-DEFAULT_PORT = 50052
+DEFAULT_PORT = MESH_PORTS["vision"]
+DEFAULT_METRICS_PORT = MESH_METRICS_PORTS["vision"]
+DEFAULT_MAX_BATCH = 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class VisionConfig:
-    server: ServerConfig
-    model: ModelConfig
-    engine: str
-    max_batch: int
-    arena_slots: int
-    lease_ttl_s: float
-    preprocess_workers: int
-    ready_signal: str
+    FLAGS_TITLE = "vision"
+
+    server: ServerConfig = nested(ServerConfig, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)  # noqa: RUF009
+    model: ModelConfig = nested(ModelConfig)  # noqa: RUF009
+    engine: str = flag("--vision-engine", default="torch", help="encoder implementation (default %(default)s)")
+    max_batch: int = flag(
+        "--max-vision-batch", default=DEFAULT_MAX_BATCH, help="images per ViT forward (default %(default)s)"
+    )
+    arena_slots: int = flag("--arena-slots", default=64, help="feature slots in the arena (default %(default)s)")
+    lease_ttl_s: float = flag(
+        "--lease-ttl-s",
+        default=30.0,
+        help="seconds before an unreleased feature slot is reclaimed (default %(default)s)",
+    )
+    preprocess_workers: int = flag(
+        "--preprocess-workers", default=2, help="threads decoding images (default %(default)s)"
+    )
+    ready_signal: str = flag(
+        "--ready-signal",
+        default="sync",
+        choices=READY_SIGNALS,
+        help="CUDA hand-off: the vision synchronises before replying, or passes an interprocess CUDA event "
+        "the llm's stream waits on (default %(default)s)",
+    )
 
     def check(self) -> None:
         self.server.check()
+        self.model.check()
         problems = []
         if self.engine != "torch":
             problems.append(f"--vision-engine {self.engine!r}: only 'torch' is available")
@@ -54,39 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="The vision encoder: decodes and preprocesses images, runs the ViT and projector in "
         "batches, and leases the features to the llm through a shared-memory arena.",
     )
-    add_server_args(p, DEFAULT_PORT, 9465)
-    add_model_args(p)
-    g = p.add_argument_group("vision")
-    g.add_argument("--vision-engine", default="torch", help="encoder implementation (default %(default)s)")
-    g.add_argument("--max-vision-batch", type=int, default=4, help="images per ViT forward (default %(default)s)")
-    g.add_argument("--arena-slots", type=int, default=64, help="feature slots in the arena (default %(default)s)")
-    g.add_argument(
-        "--lease-ttl-s",
-        type=float,
-        default=30.0,
-        help="seconds before an unreleased feature slot is reclaimed (default %(default)s)",
-    )
-    g.add_argument("--preprocess-workers", type=int, default=2, help="threads decoding images (default %(default)s)")
-    g.add_argument(
-        "--ready-signal",
-        default="sync",
-        choices=READY_SIGNALS,
-        help="CUDA hand-off: synchronise before replying, or pass an interprocess CUDA event (default %(default)s)",
-    )
+    add_flags(p, VisionConfig)
     return p
 
 
 def parse(argv: list[str] | None = None) -> VisionConfig:
-    args = build_parser().parse_args(argv)
-    cfg = VisionConfig(
-        server=server_config(args),
-        model=model_config(args),
-        engine=args.vision_engine,
-        max_batch=args.max_vision_batch,
-        arena_slots=args.arena_slots,
-        lease_ttl_s=args.lease_ttl_s,
-        preprocess_workers=args.preprocess_workers,
-        ready_signal=args.ready_signal,
-    )
+    cfg = from_args(VisionConfig, build_parser().parse_args(argv))
     cfg.check()
     return cfg

@@ -150,6 +150,19 @@ def test_bad_model_directory_fails_fast(tmp_path):
     assert "no config.json" in result.stderr
 
 
+def test_a_bad_service_flag_fails_before_any_child_starts(tmp_path):
+    result = subprocess.run(
+        [*VLMESH, "up", "--model", str(tmp_path), "--max-llm-batch", "0", "--vllm-kv-cache-gib", "-1"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "--max-llm-batch 0 must be >= 1; --vllm-kv-cache-gib -1.0 must be >= 0" in result.stderr
+    assert "starting vision" not in result.stderr
+
+
 def test_child_start_failure_is_reported(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
     proc = subprocess.run(

@@ -40,7 +40,7 @@ def qmesh(tiny_model, tmp_path_factory):
         warmup_requests=0,
         tenants=str(path),
         max_llm_batch=2,
-        admission_flags=("--max-in-flight", LIMITS),
+        max_in_flight=LIMITS,
     )
     with Mesh(opts) as mesh:
         mesh.start(progress=lambda m: None)

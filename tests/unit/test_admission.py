@@ -6,17 +6,21 @@ import argparse
 
 import pytest
 
+from services.common.config import add_flags, from_args
 from services.common.errors import ResourceExhausted
 from services.common.qos import QosLevel
-from services.gateway.admission import Admission, AdmissionConfig, add_admission_args, admission_config
+from services.gateway.admission import Admission
+from services.gateway.config import AdmissionConfig
 
 RT, ST, BE = QosLevel.REALTIME, QosLevel.STANDARD, QosLevel.BEST_EFFORT
 
 
 def config(argv: list[str], parallelism: int = 2) -> AdmissionConfig:
     p = argparse.ArgumentParser()
-    add_admission_args(p)
-    return admission_config(p.parse_args(argv), parallelism)
+    add_flags(p, AdmissionConfig)
+    cfg = from_args(AdmissionConfig, p.parse_args([*argv, "--admission-parallelism", str(parallelism)]))
+    cfg.check()
+    return cfg
 
 
 def test_defaults_scale_with_the_batch_and_flags_override_some_classes():

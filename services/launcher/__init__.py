@@ -1,0 +1,19 @@
+"""`vlmesh up`: ports, the supervisor of the three processes, and the command line."""
+
+from services.launcher.cli import build_parser, options_from_args, up
+from services.launcher.ports import MeshError, free_port, reserve_port
+from services.launcher.supervisor import Child, Mesh, MeshOptions, health_status, warmup_images
+
+__all__ = [
+    "Child",
+    "Mesh",
+    "MeshError",
+    "MeshOptions",
+    "build_parser",
+    "free_port",
+    "health_status",
+    "options_from_args",
+    "reserve_port",
+    "up",
+    "warmup_images",
+]

@@ -1,0 +1,160 @@
+"""`vlmesh up`: start vision, llm and gateway as separate processes, check them, warm up.
+
+Order: vision and llm start together (both load weights), then the gateway. Each must
+report SERVING on the standard health service before the next step. Warm-up requests
+then go through the whole mesh, and one line `gateway ready on HOST:PORT` says the
+mesh can serve. If any child dies, the launcher names it, stops the others and exits
+non-zero. SIGINT/SIGTERM stop all three gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from services.common.config import add_flags, from_args
+from services.gateway import config as gateway_config
+from services.gateway.config import GatewayConfig
+from services.launcher.ports import MeshError
+from services.launcher.supervisor import Mesh, MeshOptions, warmup_images
+from services.llm import config as llm_config
+from services.llm.config import LlmConfig
+from services.vision import config as vision_config
+from services.vision.config import VisionConfig
+
+SERVICES = ("gateway", "vision", "llm")
+# The service flags `vlmesh up` takes and passes on, by dest; each is declared once, in its
+# service's config (services/*/config.py), with its default and help.
+SERVER_FLAGS = ("host", "log_level", "event_loop")  # to all three
+MODEL_FLAGS = ("model", "device", "dtype", "threads")  # to vision and llm
+VISION_FLAGS = ("vision_engine", "max_vision_batch", "ready_signal")
+LLM_FLAGS = ("llm_engine", "max_llm_batch", "vllm_kv_cache_gib")
+GATEWAY_FLAGS = ("tenants", "max_in_flight", "stage_budgets_ms", "class_budget_scale")
+PASSED_ON = {
+    "gateway": SERVER_FLAGS + GATEWAY_FLAGS,
+    "vision": SERVER_FLAGS + MODEL_FLAGS + VISION_FLAGS,
+    "llm": SERVER_FLAGS + MODEL_FLAGS + LLM_FLAGS,
+}
+CONFIGS = {"gateway": GatewayConfig, "vision": VisionConfig, "llm": LlmConfig}
+DEFAULT_PORTS = {
+    "gateway": gateway_config.DEFAULT_PORT,
+    "vision": vision_config.DEFAULT_PORT,
+    "llm": llm_config.DEFAULT_PORT,
+}
+DEFAULT_METRICS_PORTS = (
+    gateway_config.DEFAULT_METRICS_PORT,
+    vision_config.DEFAULT_METRICS_PORT,
+    llm_config.DEFAULT_METRICS_PORT,
+)
+# Set from the others or by the launcher itself: never taken from `vlmesh up`'s flags.
+NOT_FLAGS = ("start_timeout_s", "extra_env")
+
+
+def metrics_ports(text: str) -> tuple[int, int, int]:
+    """--metrics-ports G,V,L -> three ints."""
+    try:
+        ports = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        ports = ()
+    if len(ports) != 3:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected three ports, gateway,vision,llm")
+    return ports  # type: ignore[return-value]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vlmesh up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_flags(p, VisionConfig, only=MODEL_FLAGS, group=p.add_argument_group("model (vision and llm, each)"))
+    mesh = p.add_argument_group("mesh (vlmesh up's own)")
+    mesh.add_argument(
+        "--gateway-port",
+        type=int,
+        default=DEFAULT_PORTS["gateway"],
+        help="public port; 0 picks a free one (default %(default)s)",
+    )
+    for name in ("vision", "llm"):
+        mesh.add_argument(
+            f"--{name}-port", type=int, default=DEFAULT_PORTS[name], help="0 picks a free one (default %(default)s)"
+        )
+    mesh.add_argument(
+        "--metrics-ports",
+        type=metrics_ports,
+        default=",".join(map(str, DEFAULT_METRICS_PORTS)),
+        help="Prometheus /metrics ports of gateway,vision,llm; 0 = free, -1 = off (default %(default)s)",
+    )
+    add_flags(p, MeshOptions, group=mesh)
+    add_flags(p, GatewayConfig, only=SERVER_FLAGS, group=p.add_argument_group("servers (all three)"))
+    add_flags(p, VisionConfig, only=VISION_FLAGS)
+    add_flags(p, LlmConfig, only=LLM_FLAGS)
+    add_flags(p, GatewayConfig, only=GATEWAY_FLAGS)
+    return p
+
+
+def options_from_args(values: argparse.Namespace | Mapping[str, Any], **given: Any) -> MeshOptions:
+    """`vlmesh up`'s parsed flags -> each service's config, checked (ValueError names the flag)."""
+    if isinstance(values, argparse.Namespace):
+        values = vars(values)
+
+    metrics = values["metrics_ports"]
+    metrics = metrics_ports(metrics) if isinstance(metrics, str) else metrics
+
+    def config(name: str, **more: Any):
+        ports = {"port": values[f"{name}_port"], "metrics_port": metrics[SERVICES.index(name)]}
+        cfg = from_args(CONFIGS[name], {**values, **ports, **more})
+        cfg.check()
+        return cfg
+
+    vision, llm = config("vision"), config("llm")
+    gateway = config("gateway", admission_parallelism=llm.max_batch)  # admission sizes its queues by the batch
+    return from_args(MeshOptions, values, gateway=gateway, vision=vision, llm=llm, **given)
+
+
+def options_from_flags(argv: Sequence[str] = (), **flags: Any) -> MeshOptions:
+    """See MeshOptions.from_flags."""
+    given = {k: flags.pop(k) for k in NOT_FLAGS if k in flags}
+    model = ["--model", str(flags.pop("model"))] if "model" in flags else []
+    args = vars(build_parser().parse_args([*model, *argv]))
+    if unknown := set(flags) - set(args):
+        raise TypeError(f"vlmesh up has no flags {sorted(unknown)}")
+    return options_from_args({**args, **flags}, **given)
+
+
+def up(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    from services.model.presets import resolve_model
+
+    try:
+        options_from_args(args)  # a bad flag value fails here, not in a child
+    except ValueError as err:
+        p.error(str(err))
+    args.model = resolve_model(args.model)  # preset:NAME -> its directory, made once before the children start
+    if not (Path(args.model) / "config.json").is_file():
+        p.error(f"--model {args.model}: not a checkpoint directory (no config.json)")
+    try:
+        warmup_images(args.warmup_images)  # fail before starting anything
+    except MeshError as err:
+        p.error(str(err))
+    mesh = Mesh(options_from_args(args))
+
+    def say(msg: str) -> None:
+        print(f"vlmesh up: {msg}", file=sys.stderr, flush=True)
+
+    try:
+        mesh.start(say)
+        print(f"gateway ready on {mesh.target('gateway')}", flush=True)
+        mesh.wait()
+        say("stopping")
+        return 0
+    except MeshError as err:
+        say(f"error: {err}")
+        return 1
+    except KeyboardInterrupt:
+        say("interrupted; stopping")
+        return 0
+    finally:
+        mesh.stop()

@@ -1,0 +1,217 @@
+"""Typed configs as the one source of flags: config -> argv -> config, what `vlmesh up` passes on,
+and each default declared once."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from services.common.config import (
+    LLM_MAX_BATCH,
+    MESH_METRICS_PORTS,
+    MESH_PORTS,
+    ModelConfig,
+    ServerConfig,
+    flag_defaults,
+    flag_specs,
+    to_argv,
+)
+from services.common.qos import QosLevel
+from services.gateway import config as gateway_config
+from services.gateway.config import AdmissionConfig, GatewayConfig
+from services.launcher import MeshOptions, cli, supervisor
+from services.llm import config as llm_config
+from services.llm.config import LlmConfig
+from services.vision import config as vision_config
+from services.vision.config import VisionConfig
+
+MODULES = {"gateway": gateway_config, "vision": vision_config, "llm": llm_config}
+MODEL = ModelConfig(path="/models/x", device="cpu", dtype="float32", threads=3)
+
+
+def custom_server(port: int) -> ServerConfig:
+    return ServerConfig(
+        host="0.0.0.0",
+        port=port,
+        log_level="debug",
+        log_format="text",
+        metrics_port=-1,
+        grace_s=2.5,
+        switch_interval_ms=0.25,
+        event_loop="asyncio",
+        port_file="/tmp/ports.json",
+    )
+
+
+CUSTOM = {
+    "gateway": GatewayConfig(
+        server=custom_server(1234),
+        vision_target="10.0.0.2:7",
+        llm_target="unix:/tmp/llm.sock",
+        max_images=3,
+        tenants="/etc/tenants.json",
+        admission=AdmissionConfig(
+            parallelism=3,
+            max_in_flight={QosLevel.BEST_EFFORT: 5},
+            stage_budgets_ms={"preprocess": 1.5, "vision": 0.1, "prefill": 7.0, "decode": 1e-3},
+            class_scale={QosLevel.REALTIME: 2.0, QosLevel.STANDARD: 3.0, QosLevel.BEST_EFFORT: 1 / 3},
+        ),
+    ),
+    "vision": VisionConfig(
+        server=custom_server(0),
+        model=MODEL,
+        max_batch=7,
+        arena_slots=9,
+        lease_ttl_s=0.5,
+        preprocess_workers=5,
+        ready_signal="event",
+    ),
+    "llm": LlmConfig(
+        server=custom_server(1),
+        model=MODEL,
+        max_batch=16,
+        default_max_tokens=17,
+        vision_target="127.0.0.1:9",
+        vllm_kv_cache_gib=2.5,
+    ),
+}
+
+
+def reparse(name: str, argv: list[str]):
+    return MODULES[name].parse(argv)
+
+
+def pairs(argv: list[str]) -> dict[str, str]:
+    return dict(zip(argv[::2], argv[1::2], strict=True))
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_config_argv_round_trip(name):
+    cfg = CUSTOM[name]
+    cfg.check()
+    assert reparse(name, to_argv(cfg)) == cfg
+    default = reparse(name, [] if name == "gateway" else ["--model", "/models/default"])
+    assert reparse(name, to_argv(default)) == default
+    # CUSTOM sets every flag, each (but the one-choice engines) away from its default: the round
+    # trip covers them all.
+    got, base = pairs(to_argv(cfg)), pairs(to_argv(default))
+    assert set(got) == {spec.name for spec in flag_specs(type(cfg)).values()}
+    assert [k for k in got if got[k] == base.get(k)] in ([], ["--vision-engine"], ["--llm-engine"])
+
+
+def test_admission_limits_scale_with_the_batch_and_round_trip():
+    adm = CUSTOM["gateway"].admission
+    assert adm.max_in_flight == {QosLevel.REALTIME: 24, QosLevel.STANDARD: 18, QosLevel.BEST_EFFORT: 5}
+    assert AdmissionConfig().max_in_flight == {QosLevel.REALTIME: 64, QosLevel.STANDARD: 48, QosLevel.BEST_EFFORT: 24}
+
+
+def test_checks_keep_their_messages():
+    with pytest.raises(ValueError, match=r"--vllm-kv-cache-gib -1.0 must be >= 0"):
+        llm_config.parse(["--model", "m", "--vllm-kv-cache-gib", "-1"])
+    with pytest.raises(ValueError, match=r"--threads -1 must be >= 0"):
+        vision_config.parse(["--model", "m", "--threads", "-1"])
+    with pytest.raises(ValueError, match=r"--max-in-flight 'urgent=3'"):
+        gateway_config.parse(["--max-in-flight", "urgent=3"])
+
+
+def test_up_parser_exposes_every_flag_it_passes_on():
+    up = {a.dest: a for a in cli.build_parser()._actions}
+    for name, dests in cli.PASSED_ON.items():
+        service = flag_specs(cli.CONFIGS[name])
+        for dest in dests:
+            assert dest in up and dest in service, (name, dest)
+            assert up[dest].option_strings == [service[dest].name]
+    assert "vllm_kv_cache_gib" in cli.PASSED_ON["llm"]
+
+
+def test_up_passes_its_flags_to_each_child():
+    argv = ["--model", "/m", "--host", "0.0.0.0", "--log-level", "debug", "--event-loop", "asyncio"]
+    argv += ["--device", "cpu", "--dtype", "float32", "--threads", "2", "--max-vision-batch", "3"]
+    argv += ["--ready-signal", "event", "--llm-engine", "native", "--max-llm-batch", "5"]
+    argv += ["--vllm-kv-cache-gib", "1.5", "--tenants", "t.json", "--max-in-flight", "best-effort=4"]
+    argv += ["--vision-port", "0", "--metrics-ports", "1,-1,0"]
+    opts = cli.options_from_args(cli.build_parser().parse_args(argv))
+    for name, cfg in opts.configs().items():
+        assert cfg.server.host == "0.0.0.0" and cfg.server.log_level == "debug"
+        assert cfg.server.event_loop == "asyncio"
+        assert reparse(name, to_argv(cfg)) == cfg  # what the child parses is what the launcher meant
+    assert (opts.vision.server.port, opts.llm.server.port) == (0, llm_config.DEFAULT_PORT)
+    assert [c.server.metrics_port for c in opts.configs().values()] == [1, -1, 0]
+    assert opts.vision.model == opts.llm.model == ModelConfig(path="/m", device="cpu", dtype="float32", threads=2)
+    assert (opts.vision.max_batch, opts.vision.ready_signal) == (3, "event")
+    assert (opts.llm.max_batch, opts.llm.vllm_kv_cache_gib) == (5, 1.5)
+    assert opts.gateway.tenants == "t.json"
+    assert opts.gateway.admission.parallelism == 5  # the llm's batch
+    assert opts.gateway.admission.max_in_flight == {
+        QosLevel.REALTIME: 40,
+        QosLevel.STANDARD: 30,
+        QosLevel.BEST_EFFORT: 4,
+    }
+
+
+def test_up_rejects_a_bad_service_value_with_the_services_message():
+    with pytest.raises(ValueError, match="--max-llm-batch 0 must be >= 1"):
+        MeshOptions.from_flags(model="/m", max_llm_batch=0)
+    with pytest.raises(TypeError, match="arena_slots"):
+        MeshOptions.from_flags(model="/m", arena_slots=3)
+
+
+def test_each_default_is_declared_once():
+    up = vars(cli.build_parser().parse_args(["--model", "m"]))
+    for name, dests in cli.PASSED_ON.items():
+        defaults = flag_defaults(cli.CONFIGS[name])
+        for dest in dests:
+            if dest != "model":
+                assert up[dest] == defaults[dest] or dest in ("max_in_flight", "stage_budgets_ms", "class_budget_scale")
+    opts = cli.options_from_args(up)
+    assert opts.llm.max_batch == llm_config.DEFAULT_MAX_BATCH == LLM_MAX_BATCH == AdmissionConfig().parallelism
+    assert opts.gateway.admission == GatewayConfig().admission
+    assert opts.vision.max_batch == vision_config.DEFAULT_MAX_BATCH
+    for name, module in MODULES.items():
+        assert up[f"{name}_port"] == module.DEFAULT_PORT == MESH_PORTS[name]
+        assert opts.configs()[name].server.port == module.DEFAULT_PORT
+        assert opts.configs()[name].server.metrics_port == module.DEFAULT_METRICS_PORT == MESH_METRICS_PORTS[name]
+    gateway = GatewayConfig()
+    assert gateway.vision_target.endswith(f":{vision_config.DEFAULT_PORT}")
+    assert gateway.llm_target.endswith(f":{llm_config.DEFAULT_PORT}")
+    assert gateway_config.DEFAULT_TARGET.endswith(f":{gateway_config.DEFAULT_PORT}")
+
+
+def test_children_are_started_with_their_configs_argv(monkeypatch):
+    spawned = {}
+
+    class FakeProc:
+        def __init__(self, cmd, env, start_new_session):
+            spawned[cmd[2].removeprefix("services.")] = cmd[3:]
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(supervisor.subprocess, "Popen", FakeProc)
+    opts = MeshOptions.from_flags(model="/m", gateway_port=0, vision_port=0, llm_port=0, max_llm_batch=3)
+    mesh = supervisor.Mesh(opts)
+    try:
+        mesh._spawn("vision", opts.vision)
+        mesh._spawn("llm", dataclasses.replace(opts.llm, vision_target=mesh.target("vision")))
+    finally:
+        mesh.stop()
+    llm = llm_config.parse(spawned["llm"])
+    assert llm.server.port == mesh.ports["llm"] != 0 and llm.server.port_file
+    assert llm.vision_target == mesh.target("vision") and llm.max_batch == 3
+    assert dataclasses.replace(llm, server=opts.llm.server, vision_target=None) == opts.llm
+    vision = vision_config.parse(spawned["vision"])
+    assert dataclasses.replace(vision, server=opts.vision.server) == opts.vision
+
+
+def test_the_launcher_imports_no_servicer_engine_or_torch():
+    code = (
+        "import sys, services.launcher; "
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('services.model', 'services.handoff')) "
+        "or m.endswith(('.servicer', '.engine', '.admission', '.server')) and m != 'services.common.server']; "
+        "print(bad); sys.exit(bool(bad))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
