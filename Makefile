@@ -24,7 +24,7 @@ help:
 	@echo "make bench-gpu GPU sweep on preset:llava-7b-shaped: mesh W1/W2 at 4 rates, then transformers (OUT=dir)"
 	@echo "make bench-peer the mesh against vLLM serving the demo model itself, same workload, same run (OUT=dir)"
 	@echo "make protos    regenerate vlmesh/v1 stubs from protos/"
-	@echo "make lint      ruff check and format check"
+	@echo "make lint      ruff check, format check and the layering contracts (lint-imports)"
 
 venv: $(STAMP)
 
@@ -63,6 +63,7 @@ REQUIRE_OBSERVABILITY ?= $(if $(CI),1,0)
 # REQUIRE_VLLM=1: the vLLM engine tests fail, not skip, if vLLM is missing.
 test: $(STAMP) $(VLLM_STAMP) $(PHOENIX_STAMP) prometheus-tools
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 	REQUIRE_OBSERVABILITY=$(REQUIRE_OBSERVABILITY) REQUIRE_VLLM=1 $(PY) -m pytest -q tests
 
 # On the GPU machine: its python already has torch with CUDA; missing wheels are carried.
@@ -95,3 +96,4 @@ protos: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports

@@ -6,17 +6,8 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from services.common.config import (
-    DEFAULT_HOST,
-    LLM_MAX_BATCH,
-    MESH_METRICS_PORTS,
-    MESH_PORTS,
-    ServerConfig,
-    add_flags,
-    flag,
-    from_args,
-    nested,
-)
+from services.common.config import DEFAULT_HOST, LLM_MAX_BATCH, MESH_METRICS_PORTS, MESH_PORTS, ServerConfig
+from services.common.flags import add_flags, flag, from_args, nested
 from services.common.qos import QosLevel, parse_qos
 
 DEFAULT_PORT = MESH_PORTS["gateway"]
@@ -89,7 +80,7 @@ class AdmissionConfig:
     FLAGS_TITLE = "admission (gateway; see services/gateway/admission.py)"
 
     # Given: the classes --max-in-flight names; __post_init__ adds the others' defaults.
-    max_in_flight: dict[QosLevel, int] = flag(  # noqa: RUF009
+    max_in_flight: dict[QosLevel, int] = flag(
         "--max-in-flight",
         default_factory=dict,
         parse=parse_limits,
@@ -97,14 +88,14 @@ class AdmissionConfig:
         help="per class, e.g. realtime=64,standard=48,best-effort=24: admit while the mesh's total in flight "
         "is below this, so lower classes are refused first (default: 8, 6 and 3 times the llm's batch)",
     )
-    stage_budgets_ms: dict[str, float] = flag(  # noqa: RUF009
+    stage_budgets_ms: dict[str, float] = flag(
         "--stage-budgets-ms",
         default_factory=lambda: dict(DEFAULT_STAGE_BUDGETS_MS),
         parse=parse_stage_budgets,
         text=pairs_text,
         help="per-stage latency budgets, decode for 16 output tokens (default: the write-ups', %(default)s)",
     )
-    class_scale: dict[QosLevel, float] = flag(  # noqa: RUF009
+    class_scale: dict[QosLevel, float] = flag(
         "--class-budget-scale",
         default_factory=lambda: dict(DEFAULT_CLASS_SCALE),
         parse=parse_class_scale,
@@ -136,7 +127,7 @@ class AdmissionConfig:
 class GatewayConfig:
     FLAGS_TITLE = "gateway"
 
-    server: ServerConfig = nested(ServerConfig, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)  # noqa: RUF009
+    server: ServerConfig = nested(ServerConfig, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
     vision_target: str = flag(
         "--vision-target", default=DEFAULT_VISION_TARGET, help="vision service HOST:PORT (default %(default)s)"
     )
@@ -150,7 +141,7 @@ class GatewayConfig:
         metavar="FILE",
         help="JSON file of tenants (API keys, max qos-level, rate limits); auth is off without it",
     )
-    admission: AdmissionConfig = nested(AdmissionConfig)  # noqa: RUF009
+    admission: AdmissionConfig = nested(AdmissionConfig)
 
     def check(self) -> None:
         self.server.check()

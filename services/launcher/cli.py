@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from services.common.config import add_flags, from_args
+from services.common.flags import add_flags, from_args
 from services.gateway import config as gateway_config
 from services.gateway.config import GatewayConfig
 from services.launcher.ports import MeshError

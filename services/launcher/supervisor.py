@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.config import flag, to_argv
+from services.common.flags import flag, to_argv
 from services.gateway.config import GatewayConfig
 from services.launcher.ports import MeshError, PortFiles, reserve_port
 from services.llm.config import LlmConfig

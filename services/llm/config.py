@@ -6,17 +6,8 @@ import argparse
 import importlib.util
 from dataclasses import dataclass
 
-from services.common.config import (
-    LLM_MAX_BATCH,
-    MESH_METRICS_PORTS,
-    MESH_PORTS,
-    ModelConfig,
-    ServerConfig,
-    add_flags,
-    flag,
-    from_args,
-    nested,
-)
+from services.common.config import LLM_MAX_BATCH, MESH_METRICS_PORTS, MESH_PORTS, ModelConfig, ServerConfig
+from services.common.flags import add_flags, flag, from_args, nested
 
 DEFAULT_PORT = MESH_PORTS["llm"]
 DEFAULT_METRICS_PORT = MESH_METRICS_PORTS["llm"]
@@ -28,8 +19,8 @@ ENGINES = ("native", "vllm")
 class LlmConfig:
     FLAGS_TITLE = "llm"
 
-    server: ServerConfig = nested(ServerConfig, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)  # noqa: RUF009
-    model: ModelConfig = nested(ModelConfig)  # noqa: RUF009
+    server: ServerConfig = nested(ServerConfig, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
+    model: ModelConfig = nested(ModelConfig)
     engine: str = flag(
         "--llm-engine",
         default="native",

@@ -5,17 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.common.config import (
-    MESH_METRICS_PORTS,
-    MESH_PORTS,
-    READY_SIGNALS,
-    ModelConfig,
-    ServerConfig,
-    add_flags,
-    flag,
-    from_args,
-    nested,
-)
+from services.common.config import MESH_METRICS_PORTS, MESH_PORTS, READY_SIGNALS, ModelConfig, ServerConfig
+from services.common.flags import add_flags, flag, from_args, nested
 
 DEFAULT_PORT = MESH_PORTS["vision"]
 DEFAULT_METRICS_PORT = MESH_METRICS_PORTS["vision"]
@@ -26,8 +17,8 @@ DEFAULT_MAX_BATCH = 4
 class VisionConfig:
     FLAGS_TITLE = "vision"
 
-    server: ServerConfig = nested(ServerConfig, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)  # noqa: RUF009
-    model: ModelConfig = nested(ModelConfig)  # noqa: RUF009
+    server: ServerConfig = nested(ServerConfig, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
+    model: ModelConfig = nested(ModelConfig)
     engine: str = flag("--vision-engine", default="torch", help="encoder implementation (default %(default)s)")
     max_batch: int = flag(
         "--max-vision-batch", default=DEFAULT_MAX_BATCH, help="images per ViT forward (default %(default)s)"

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from services.common.config import add_flags, from_args
 from services.common.errors import ResourceExhausted
+from services.common.flags import add_flags, from_args
 from services.common.qos import QosLevel
 from services.gateway.admission import Admission
 from services.gateway.config import AdmissionConfig

@@ -9,16 +9,8 @@ import sys
 
 import pytest
 
-from services.common.config import (
-    LLM_MAX_BATCH,
-    MESH_METRICS_PORTS,
-    MESH_PORTS,
-    ModelConfig,
-    ServerConfig,
-    flag_defaults,
-    flag_specs,
-    to_argv,
-)
+from services.common.config import LLM_MAX_BATCH, MESH_METRICS_PORTS, MESH_PORTS, ModelConfig, ServerConfig
+from services.common.flags import flag_defaults, flag_specs, to_argv
 from services.common.qos import QosLevel
 from services.gateway import config as gateway_config
 from services.gateway.config import AdmissionConfig, GatewayConfig
