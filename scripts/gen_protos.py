@@ -2,7 +2,7 @@
 
 Run with grpcio-tools 1.84.0 (pinned in pyproject's dev extra): its stubs import on
 grpcio >= 1.84.0 and on protobuf 7.35.1 or newer, which covers the GPU machine
-(grpcio 1.84, protobuf 7.36). tests/unit/test_protos.py regenerates into a temporary folder
+(grpcio 1.84, protobuf 7.36). tests/unit/common/test_protos.py regenerates into a temporary folder
 and fails if the committed stubs differ.
 
     python scripts/gen_protos.py            # rewrite vlmesh/v1/*_pb2*.py

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from services.launcher import Mesh, free_port, health_status, reserve_port
-from tests.conftest import image_bytes, mesh_options, scrape
+from tests.helpers import image_bytes, mesh_options, scrape
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from services.launcher import Mesh
-from tests.conftest import image_bytes, mesh_options
+from tests.helpers import image_bytes, mesh_options
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 

@@ -8,9 +8,7 @@ import torch
 
 from services.launcher import Mesh, MeshOptions
 from services.llm.interface import EngineStats
-from tests.conftest import image_bytes
-from tests.integration.test_oracle import CASES, hf_inputs
-from tests.unit.test_engine import PROMPTS, Parts
+from tests.helpers import CASES, PROMPTS, Parts, hf_inputs, image_bytes
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -96,7 +94,7 @@ def test_cuda_engine_bf16_runs(tiny_model):
 
 
 def test_mesh_on_gpu_matches_transformers(tiny_model):
-    opts = MeshOptions(
+    opts = MeshOptions.from_flags(
         model=str(tiny_model),
         gateway_port=0,
         vision_port=0,

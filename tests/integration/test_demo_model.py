@@ -12,7 +12,7 @@ import pytest
 
 from services.launcher import Mesh
 from services.model.shapes import PROMPTS, encode, render
-from tests.conftest import mesh_options
+from tests.helpers import hf_greedy, mesh_options
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -86,8 +86,6 @@ def test_same_picture_twice_same_answer(stub):
 
 def test_transformers_loads_the_demo_model_and_agrees(stub):
     """The shipped checkpoint is a plain transformers LLaVA: its greedy tokens equal the mesh's."""
-    from tests.integration.test_oracle import hf_greedy
-
     for pic, data in pictures(4):
         req = gateway_pb2.GenerateRequest(
             images=[pb.Image(data=data)],

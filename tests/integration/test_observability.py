@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from services.launcher import free_port
-from tests.conftest import image_bytes, scrape
+from tests.helpers import image_bytes, scrape
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 

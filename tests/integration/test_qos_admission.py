@@ -16,8 +16,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from services.launcher import Mesh
-from tests.conftest import image_bytes, mesh_options, sample, scrape, settle
-from tests.integration.test_tenants_mesh import serving
+from tests.helpers import image_bytes, mesh_options, sample, scrape, serving, settle
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 

@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from tests.conftest import image_bytes
+from tests.helpers import image_bytes
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 

@@ -7,11 +7,10 @@ import json
 import grpc
 import pytest
 from google.rpc import error_details_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from services.launcher import Mesh
-from tests.conftest import image_bytes, mesh_options
+from tests.helpers import image_bytes, mesh_options, serving
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -59,15 +58,6 @@ def status_of(mesh, *args) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as info:
         call(mesh, *args)
     return info.value
-
-
-def serving(mesh) -> bool:
-    for name in ("gateway", "vision", "llm"):
-        with grpc.insecure_channel(mesh.target(name)) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
-            if resp.status != health_pb2.HealthCheckResponse.SERVING:
-                return False
-    return True
 
 
 def test_statuses(auth_mesh):

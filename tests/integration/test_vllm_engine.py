@@ -16,8 +16,15 @@ import grpc
 import pytest
 
 from services.launcher import Mesh
-from tests.conftest import image_bytes, mesh_options, sample, scrape, settle
-from tests.integration.test_oracle import check_against_transformers
+from tests.helpers import (
+    check_against_transformers,
+    demo_answers,
+    image_bytes,
+    mesh_options,
+    sample,
+    scrape,
+    settle,
+)
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -121,8 +128,6 @@ def test_cancelled_stream_is_aborted_and_the_engine_keeps_serving(vmesh):
 
 def test_demo_model_answers_as_the_native_engine(tmp_path):
     """50 rendered pictures: the demo model gives the same answers through vLLM as through our engine."""
-    from tests.unit.test_engine import demo_answers
-
     pics, jobs, expected = demo_answers(4242, 50)
     mesh = vllm_mesh(ROOT / "models" / "demo")
     with mesh, grpc.insecure_channel(mesh.target("gateway")) as ch:

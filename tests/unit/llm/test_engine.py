@@ -2,98 +2,16 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from services.common.errors import FailedPrecondition
 from services.common.qos import QosLevel
-from services.common.sampling import check_sampling
-from services.llm.detokenizer import Detokenizer
-from services.llm.engine import NativeEngine
 from services.llm.interface import EngineStats
-from services.llm.request import Finish, Request
-from services.llm.runner import ModelRunner
-from services.model import shapes
-from services.model.prompt import PromptBuilder
-from services.model.spec import load_spec
-from services.vision.encoder import VisionEncoder
-from tests.conftest import image_bytes
-from vlmesh.v1 import common_pb2 as pb
-
-
-def demo_answers(seed: int, n: int, max_tokens: int = 8) -> tuple[list, list[tuple[bytes, str]], list[str]]:
-    """n pictures of the demo task, their (PNG, prompt) jobs, and the native CPU engine's answers.
-
-    The reference for the tests that run the same jobs through another path (vLLM, the GPU mesh).
-    """
-    demo = Path(__file__).resolve().parents[2] / "models" / "demo"
-    pics = [shapes.render(np.random.default_rng([seed, i])) for i in range(n)]
-    jobs = [(shapes.encode(p.image, "PNG"), list(shapes.PROMPTS)[i % len(shapes.PROMPTS)]) for i, p in enumerate(pics)]
-    native = Parts(demo, max_batch=8)
-    try:
-        answers = []
-        for data, prompt in jobs:
-            pair = native.request(data, prompt, max_tokens=max_tokens)
-            native.run(pair)
-            answers.append(pair[1]["text"])
-    finally:
-        native.engine.stop()
-    return pics, jobs, answers
-
-
-class Parts:
-    def __init__(self, model_dir, max_batch: int) -> None:
-        spec = load_spec(model_dir)
-        self.prompts = PromptBuilder(spec)
-        self.vision = VisionEncoder(spec, "cpu", "float32")
-        runner = ModelRunner(spec, torch.device("cpu"), torch.float32, max_batch)
-        self.engine = NativeEngine(runner, max_batch, self.prompts, default_max_tokens=256)
-        self.engine.start()
-        self._n = 0
-
-    def request(
-        self, image: int | bytes, prompt: str, qos: QosLevel = QosLevel.STANDARD, **sampling
-    ) -> tuple[Request, dict]:
-        """`image`: encoded bytes, or a seed for a random-noise picture."""
-        data = image_bytes(image) if isinstance(image, int) else image
-        feats = self.vision.encode(self.vision.pixels(data)[None])[0]
-        built = self.prompts.build(prompt, 1)
-        s = check_sampling(pb.SamplingParams(**sampling), 512)
-        done = threading.Event()
-        box = {"ids": [], "text": "", "finish": None, "done": done}
-
-        def emit(out):
-            box["ids"] += out.token_ids
-            box["text"] += out.text
-            if out.finish is not None:
-                box["finish"] = out.finish
-                done.set()
-
-        self._n += 1
-        req = Request(
-            id=f"r{self._n}",
-            prompt_ids=built.ids,
-            image_positions=built.image_positions,
-            image_features=[feats],
-            text_tokens=built.text_tokens,
-            sampling=s,
-            max_new=s.max_tokens or 64,
-            qos=qos,
-            detok=Detokenizer(self.prompts.tokenizer, s.stop),
-            emit=emit,
-        )
-        return req, box
-
-    def run(self, *pairs) -> None:
-        for req, _ in pairs:
-            self.engine.add(req)
-        for _, box in pairs:
-            assert box["done"].wait(60)
+from services.llm.request import Finish
+from tests.helpers import PROMPTS, Parts
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +19,6 @@ def parts(tiny_model):
     p = Parts(tiny_model, max_batch=3)
     yield p
     p.engine.stop()
-
-
-PROMPTS = ["What is in the image?", "Describe the picture in detail.", "What shape is it?", "Why?", "What color?"]
 
 
 def test_batched_equals_alone(parts):

@@ -10,7 +10,7 @@ from PIL import Image
 
 from services.common.errors import InvalidArgument
 from services.model.preprocess import ImageProcessorConfig, decode_image, preprocess
-from tests.conftest import pil_clip_processor_class
+from tests.helpers import pil_clip_processor_class
 
 
 def picture(w: int, h: int, mode: str = "RGB", seed: int = 0) -> Image.Image:

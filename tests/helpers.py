@@ -1,0 +1,278 @@
+"""Helpers shared by test modules: the only thing under `tests.` a test module may import.
+
+Test modules never import each other (tests/unit/test_layout.py checks); anything two of them
+need lives here. Heavy imports (torch, transformers, the engine) stay inside the functions that
+use them, so importing this module (conftest does, for every test) stays cheap.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
+
+from services.common.qos import QosLevel
+from services.launcher import MeshOptions
+from vlmesh.v1 import common_pb2 as pb
+from vlmesh.v1 import gateway_pb2
+
+if TYPE_CHECKING:
+    from services.llm.request import Request
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root."""
+
+
+# --- pictures and processors ---------------------------------------------------------------
+
+
+def image_bytes(seed: int, size: tuple[int, int] = (48, 40), fmt: str = "PNG") -> bytes:
+    """A random-noise picture (width, height) encoded as `fmt`."""
+    rng = np.random.default_rng(seed)
+    arr = (rng.random((size[1], size[0], 3)) * 255).astype("uint8")
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def pil_clip_processor_class():
+    """transformers' PIL implementation of CLIPImageProcessor: the reference we match.
+
+    Where torchvision is installed (the GPU machine), `CLIPImageProcessor` is the
+    torchvision backend, whose bicubic resize differs from Pillow's.
+    """
+    try:
+        from transformers import CLIPImageProcessorPil
+
+        return CLIPImageProcessorPil
+    except ImportError:  # older transformers: the class is the PIL one
+        from transformers import CLIPImageProcessor
+
+        return CLIPImageProcessor
+
+
+# --- a mesh of real processes --------------------------------------------------------------
+
+
+def mesh_options(model, **overrides) -> MeshOptions:
+    """A CPU mesh on ephemeral ports, one torch thread per service (CI has 2 cores)."""
+    opts = {
+        "model": str(model),
+        "gateway_port": 0,
+        "vision_port": 0,
+        "llm_port": 0,
+        "device": "cpu",
+        "threads": 1,
+        "metrics_ports": (0, 0, 0),
+        "warmup_requests": 1,
+        "log_level": "warning",
+        "extra_env": {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+    }
+    opts.update(overrides)
+    return MeshOptions.from_flags(**opts)
+
+
+def serving(mesh) -> bool:
+    """Whether gateway, vision and llm of `mesh` all answer health checks with SERVING."""
+    for name in ("gateway", "vision", "llm"):
+        with grpc.insecure_channel(mesh.target(name)) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            if resp.status != health_pb2.HealthCheckResponse.SERVING:
+                return False
+    return True
+
+
+# --- metrics -------------------------------------------------------------------------------
+
+
+def scrape(port: int) -> str:
+    """One Prometheus /metrics page of a mesh server."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def sample(text: str, series: str) -> float | None:
+    """The value of one exposition line, e.g. `vlmesh_kv_slots{state="used"}`; None if absent."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def settle(port: int, series: str, want: float, timeout: float = 10.0, absent_is_zero: bool = False) -> float | None:
+    """Poll a series until it equals `want` (releases are asynchronous); return the last value seen.
+
+    `absent_is_zero`: a labelled gauge that was never touched is not exported; count it as 0.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        got = sample(scrape(port), series)
+        if got == want or (absent_is_zero and got is None and want == 0) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
+
+
+# --- the transformers oracle ---------------------------------------------------------------
+
+CASES = [
+    (image_bytes(1, (48, 40), "PNG"), "What is in the image?"),
+    (image_bytes(2, (64, 96), "JPEG"), "Describe the picture in detail."),
+    (image_bytes(3, (40, 40), "WEBP"), "What color is the shape?"),
+    (image_bytes(4, (100, 37), "PNG"), "What is in the image?"),
+]
+"""(encoded picture, prompt) pairs the mesh is checked against transformers on."""
+
+
+def hf_inputs(model_dir, data: bytes, prompt: str):
+    """transformers' own processor on the same bytes: input_ids and pixel_values."""
+    from transformers import AutoTokenizer, LlavaProcessor
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    proc = LlavaProcessor(
+        image_processor=pil_clip_processor_class().from_pretrained(model_dir),
+        tokenizer=tok,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        chat_template=tok.chat_template,
+        num_additional_image_tokens=1,
+    )
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return proc(images=Image.open(io.BytesIO(data)), text=text, return_tensors="pt")
+
+
+def hf_greedy(model_dir, data: bytes, prompt: str, n: int) -> list[int]:
+    """transformers' LlavaForConditionalGeneration.generate: n greedy tokens after the prompt."""
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    inputs = hf_inputs(model_dir, data, prompt)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def check_against_transformers(stub, tiny_model) -> None:
+    """16 greedy tokens per case through `stub` (a gateway) equal transformers' on the checkpoint."""
+    ours = []
+    for data, prompt in CASES:
+        req = gateway_pb2.GenerateRequest(
+            images=[pb.Image(data=data)],
+            prompt=prompt,
+            sampling=pb.SamplingParams(max_tokens=16, min_tokens=16),
+        )
+        ids: list[int] = []
+        final = None
+        for msg in stub.Generate(req, timeout=60):
+            ids.extend(msg.token_ids)
+            final = msg
+        assert final.finish_reason == pb.FINISH_REASON_LENGTH
+        assert final.usage.output_tokens == 16
+        assert final.usage.image_tokens == 16
+        ref = hf_greedy(tiny_model, data, prompt, 16)
+        assert ids == ref, f"prompt {prompt!r}: mesh {ids} != transformers {ref}"
+        ours.append(tuple(ids))
+    # The image matters: the same prompt on different pictures gives different tokens,
+    # so the comparison above would catch features that are lost or mixed up.
+    assert ours[0] != ours[3]
+
+
+# --- the llm engine in-process -------------------------------------------------------------
+
+PROMPTS = ["What is in the image?", "Describe the picture in detail.", "What shape is it?", "Why?", "What color?"]
+"""Prompts of different lengths for the in-process engine tests."""
+
+
+class Parts:
+    """The native llm engine and the vision encoder in this process, without gRPC."""
+
+    def __init__(self, model_dir, max_batch: int) -> None:
+        import torch
+
+        from services.llm.engine import NativeEngine
+        from services.llm.runner import ModelRunner
+        from services.model.prompt import PromptBuilder
+        from services.model.spec import load_spec
+        from services.vision.encoder import VisionEncoder
+
+        spec = load_spec(model_dir)
+        self.prompts = PromptBuilder(spec)
+        self.vision = VisionEncoder(spec, "cpu", "float32")
+        runner = ModelRunner(spec, torch.device("cpu"), torch.float32, max_batch)
+        self.engine = NativeEngine(runner, max_batch, self.prompts, default_max_tokens=256)
+        self.engine.start()
+        self._n = 0
+
+    def request(
+        self, image: int | bytes, prompt: str, qos: QosLevel = QosLevel.STANDARD, **sampling
+    ) -> tuple[Request, dict]:
+        """`image`: encoded bytes, or a seed for a random-noise picture."""
+        from services.common.sampling import check_sampling
+        from services.llm.detokenizer import Detokenizer
+        from services.llm.request import Request
+
+        data = image_bytes(image) if isinstance(image, int) else image
+        feats = self.vision.encode(self.vision.pixels(data)[None])[0]
+        built = self.prompts.build(prompt, 1)
+        s = check_sampling(pb.SamplingParams(**sampling), 512)
+        done = threading.Event()
+        box = {"ids": [], "text": "", "finish": None, "done": done}
+
+        def emit(out):
+            box["ids"] += out.token_ids
+            box["text"] += out.text
+            if out.finish is not None:
+                box["finish"] = out.finish
+                done.set()
+
+        self._n += 1
+        req = Request(
+            id=f"r{self._n}",
+            prompt_ids=built.ids,
+            image_positions=built.image_positions,
+            image_features=[feats],
+            text_tokens=built.text_tokens,
+            sampling=s,
+            max_new=s.max_tokens or 64,
+            qos=qos,
+            detok=Detokenizer(self.prompts.tokenizer, s.stop),
+            emit=emit,
+        )
+        return req, box
+
+    def run(self, *pairs) -> None:
+        for req, _ in pairs:
+            self.engine.add(req)
+        for _, box in pairs:
+            assert box["done"].wait(60)
+
+
+def demo_answers(seed: int, n: int, max_tokens: int = 8) -> tuple[list, list[tuple[bytes, str]], list[str]]:
+    """n pictures of the demo task, their (PNG, prompt) jobs, and the native CPU engine's answers.
+
+    The reference for the tests that run the same jobs through another path (vLLM, the GPU mesh).
+    """
+    from services.model import shapes
+
+    pics = [shapes.render(np.random.default_rng([seed, i])) for i in range(n)]
+    jobs = [(shapes.encode(p.image, "PNG"), list(shapes.PROMPTS)[i % len(shapes.PROMPTS)]) for i, p in enumerate(pics)]
+    native = Parts(ROOT / "models" / "demo", max_batch=8)
+    try:
+        answers = []
+        for data, prompt in jobs:
+            pair = native.request(data, prompt, max_tokens=max_tokens)
+            native.run(pair)
+            answers.append(pair[1]["text"])
+    finally:
+        native.engine.stop()
+    return pics, jobs, answers
