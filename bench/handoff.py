@@ -2,10 +2,10 @@
 
 The tensor is one LLaVA-7B image's features: [576, 4096] bf16 (4.7 MB), made on the
 producer's GPU, wanted on the consumer's GPU. Two figures per transport:
-- host path: `FeatureExporter.export` in the producer (copy into a leased slot and signal
-  readiness; for inline, the D2H copy and bytes) plus `FeatureImporter.load` in the
+- host path: `Producer.export` in the producer (copy into a leased slot and signal
+  readiness; for inline, the D2H copy and bytes) plus `Consumer.open` in the
   consumer (for host transports also the copy to the GPU, synchronised; for inline also
-  protobuf serialisation and parsing of the reference). For CUDA IPC, load returns the
+  protobuf serialisation and parsing of the reference). For CUDA IPC, open returns the
   producer's memory in place, ordered on the consumer's stream: nothing waits on the GPU.
 - until read: host path, then the consumer copies the features into its own buffer (as
   the llm's prefill does into the prompt embeddings) and synchronises. This is when the
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from services.common.tensorref import FeatureImporter
-from tests.gpu.arena_peer import call, connect, write
+from services.handoff.consumer import Consumer
+from services.handoff.peer import call, connect, write
 from vlmesh.v1 import common_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def run_case(transport: int, ready: str, iters: int, warmup: int) -> dict:
             [
                 sys.executable,
                 "-m",
-                "tests.gpu.arena_peer",
+                "services.handoff.peer",
                 str(address),
                 "--ready",
                 ready,
@@ -62,7 +62,7 @@ def run_case(transport: int, ready: str, iters: int, warmup: int) -> dict:
         )
         try:
             conn = connect(address)
-            importer = FeatureImporter(torch.device("cuda"))
+            importer = Consumer(torch.device("cuda"))
             landing = torch.empty(SHAPE, dtype=torch.bfloat16, device="cuda")
             producer, consumer, read, first = [], [], [], None
             for i in range(warmup + iters):
@@ -71,7 +71,8 @@ def run_case(transport: int, ready: str, iters: int, warmup: int) -> dict:
                 start = time.perf_counter()
                 if transport == pb.TRANSPORT_INLINE:
                     ref = pb.TensorRef.FromString(ref.SerializeToString())
-                out = importer.load(ref)
+                opened = importer.open([ref])
+                out = opened.tensors.pop()
                 if out.device.type != "cuda":
                     out = out.to("cuda")
                     torch.cuda.synchronize()
@@ -80,8 +81,11 @@ def run_case(transport: int, ready: str, iters: int, warmup: int) -> dict:
                 torch.cuda.synchronize()
                 landed = time.perf_counter() - start
                 if ref.lease.id:
-                    importer.verify(ref)
+                    opened.verify()
                     call(conn, "release", ref.lease.id)
+                # Nothing of one hand-off outlives its iteration: a copy is freed once it has landed
+                # (4.7 MB buffers kept one iteration longer cost page faults in the next one).
+                del opened
                 if i == 0:
                     first = landed
                 if i >= warmup:

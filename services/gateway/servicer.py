@@ -24,6 +24,7 @@ from services.common.server import GRPC_OPTIONS
 from services.common.validation import check_images, check_prompt
 from services.gateway.admission import Admission, AdmissionConfig, Ticket
 from services.gateway.tenants import Tenant, TenantRegistry
+from services.handoff.release import release_leases
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc, llm_pb2, llm_pb2_grpc, vision_pb2, vision_pb2_grpc
 
@@ -242,12 +243,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _release(self, refs) -> None:
         """The llm never read these features: hand the slots back instead of waiting for the TTL."""
-        lease_ids = [r.lease.id for r in refs if r.lease.id]
-        if lease_ids:
-            try:
-                await self.vision.Release(vision_pb2.ReleaseRequest(lease_ids=lease_ids), timeout=2)
-            except grpc.RpcError as err:
-                log.warning("lease release after llm failure failed: %s", err.code().name)
+        await release_leases(self.vision, refs, timeout_s=2)
 
     @errors.stream
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):

@@ -7,21 +7,21 @@ import logging
 
 from services.common.metrics import watch_gpu_memory
 from services.common.server import run_service, serve_until_signal, start_server
+from services.handoff.producer import Producer
 from services.model.spec import load_spec
 from services.vision import config as vision_config
 from services.vision.batcher import VisionBatcher
 from services.vision.encoder import VisionEncoder
-from services.vision.exporter import FeatureExporter
 from services.vision.servicer import VisionServicer
 from vlmesh.v1 import vision_pb2, vision_pb2_grpc
 
 log = logging.getLogger("vision")
 
 
-async def _reap_forever(exporter: FeatureExporter, period_s: float) -> None:
+async def _reap_forever(producer: Producer, period_s: float) -> None:
     while True:
         await asyncio.sleep(period_s)
-        exporter.reap()
+        producer.reap()
 
 
 async def serve(cfg: vision_config.VisionConfig) -> None:
@@ -29,13 +29,11 @@ async def serve(cfg: vision_config.VisionConfig) -> None:
     spec = load_spec(cfg.model.path)
     encoder = VisionEncoder(spec, cfg.model.device, cfg.model.dtype)
     watch_gpu_memory("vision", encoder.device)
-    exporter = FeatureExporter(
-        encoder.feature_bytes, cfg.arena_slots, cfg.lease_ttl_s, encoder.device, cfg.ready_signal
-    )
+    producer = Producer(encoder.feature_bytes, cfg.arena_slots, cfg.lease_ttl_s, encoder.device, cfg.ready_signal)
     batcher = VisionBatcher(encoder, cfg.max_batch)
     batcher.start()
-    servicer = VisionServicer(encoder, batcher, exporter, cfg.preprocess_workers)
-    reaper = asyncio.create_task(_reap_forever(exporter, max(cfg.lease_ttl_s / 4, 0.05)))
+    servicer = VisionServicer(encoder, batcher, producer, cfg.preprocess_workers)
+    reaper = asyncio.create_task(_reap_forever(producer, max(cfg.lease_ttl_s / 4, 0.05)))
     try:
         running = await start_server(
             cfg.server,
@@ -46,7 +44,7 @@ async def serve(cfg: vision_config.VisionConfig) -> None:
             "vision serving on %s:%d (arenas %s, %d slots each)",
             cfg.server.host,
             running.port,
-            ", ".join(a.name for a in exporter.arenas),
+            ", ".join(producer.arena_names),
             cfg.arena_slots,
         )
         await serve_until_signal(running, cfg.server.grace_s)
@@ -54,7 +52,7 @@ async def serve(cfg: vision_config.VisionConfig) -> None:
         reaper.cancel()
         await batcher.stop()
         servicer.close()
-        exporter.close()
+        producer.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,11 +12,10 @@ from services.common import errors, metrics, telemetry
 from services.common.logs import request_context
 from services.common.priority_pool import PriorityPool
 from services.common.qos import qos_from_metadata
-from services.common.tensorref import transport_name
 from services.common.validation import check_images
+from services.handoff.producer import Producer
 from services.vision.batcher import VisionBatcher
 from services.vision.encoder import VisionEncoder
-from services.vision.exporter import FeatureExporter
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import vision_pb2, vision_pb2_grpc
 
@@ -24,10 +23,10 @@ log = logging.getLogger(__name__)
 
 
 class VisionServicer(vision_pb2_grpc.VisionServicer):
-    def __init__(self, encoder: VisionEncoder, batcher: VisionBatcher, exporter: FeatureExporter, workers: int) -> None:
+    def __init__(self, encoder: VisionEncoder, batcher: VisionBatcher, producer: Producer, workers: int) -> None:
         self.encoder = encoder
         self.batcher = batcher
-        self.exporter = exporter
+        self.producer = producer
         self._preprocess = PriorityPool(workers, "preprocess")  # realtime images are decoded first
 
     @errors.unary
@@ -43,7 +42,7 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
             }
         )
         check_images(request.images)
-        transport = self.exporter.transport_for(request.consumer)
+        transport = self.producer.negotiate(request.consumer)  # a consumer we cannot serve fails before any work
         t0 = time.perf_counter()
         with telemetry.span("vision.preprocess", {"images": len(request.images)}):
             pixels = await asyncio.gather(
@@ -56,8 +55,8 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         metrics.STAGE_DURATION.labels("preprocess").observe(preprocess_ms / 1000)
         results = await asyncio.gather(*(self.batcher.submit(p, qos) for p in pixels))
         t1 = time.perf_counter()
-        with telemetry.span("handoff.export", {"transport": transport_name(transport)}):
-            refs = self.exporter.export([r.features for r in results], transport)
+        with telemetry.span("handoff.export", {"transport": transport.name}):
+            refs = self.producer.export([r.features for r in results], transport)
         handoff_ms = (time.perf_counter() - t1) * 1000
         timings = pb.StageTimings(
             preprocess_ms=preprocess_ms,
@@ -69,7 +68,7 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
 
     @errors.unary
     async def Release(self, request: vision_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
-        return vision_pb2.ReleaseResponse(released=self.exporter.release(request.lease_ids))
+        return vision_pb2.ReleaseResponse(released=self.producer.release(request.lease_ids))
 
     @errors.unary
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext):
@@ -77,9 +76,9 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         return pb.ServiceInfo(
             service="vision",
             model_id=spec.model_id,
-            host_id=self.exporter.host,
-            gpu_uuid=self.exporter.gpu_uuid,
-            transports=[*self.exporter.offered, pb.TRANSPORT_INLINE],
+            host_id=self.producer.host,
+            gpu_uuid=self.producer.gpu_uuid,
+            transports=self.producer.transports,
             image_tokens=spec.image_tokens,
         )
 

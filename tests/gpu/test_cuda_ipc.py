@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from services.common.errors import FailedPrecondition, Unavailable
-from services.common.tensorref import FeatureImporter
+from services.handoff.consumer import Consumer
+from services.handoff.peer import call, connect, sha256, write
 from services.launcher import Mesh
 from tests.conftest import mesh_options, settle
-from tests.gpu.arena_peer import call, connect, sha256, write
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc, llm_pb2, llm_pb2_grpc, vision_pb2, vision_pb2_grpc
 
@@ -29,7 +29,7 @@ ENV = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
 
 def start_peer(tmp_path, *args) -> tuple[subprocess.Popen, Path]:
     address = tmp_path / f"peer-{time.monotonic_ns()}.addr"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.gpu.arena_peer", str(address), *args], env=ENV, cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "services.handoff.peer", str(address), *args], env=ENV, cwd=ROOT)
     return proc, address
 
 
@@ -54,31 +54,31 @@ def peer(tmp_path, request):
 @pytest.mark.parametrize("transport", [CUDA, SHM])
 def test_bit_exact(peer, dtype, transport):
     _, conn = peer
-    importer = FeatureImporter(torch.device("cuda"))
+    consumer = Consumer(torch.device("cuda"))
     for seed in range(5):
         ref, digest, _ = write(conn, seed, (576, 4096), dtype, transport)
         assert ref.transport == transport
-        out = importer.load(ref)
+        out = consumer.open([ref]).tensors[0]
         assert out.device.type == ("cuda" if transport == CUDA else "cpu")
         assert sha256(out) == digest, "features changed on the way"
         assert call(conn, "release", ref.lease.id)
         with pytest.raises(FailedPrecondition, match="stale"):
-            importer.load(ref)
+            consumer.open([ref])
     assert call(conn, "stats")["leased"] == 0
 
 
 CONSUMER = """
 import sys, torch
-from tests.gpu.arena_peer import call, connect, sha256, write
-from services.common.tensorref import FeatureImporter
+from services.handoff.peer import call, connect, sha256, write
+from services.handoff.consumer import Consumer
 from vlmesh.v1 import common_pb2 as pb
 from pathlib import Path
 conn = connect(Path(sys.argv[1]))
-importer = FeatureImporter(torch.device("cuda"))
+consumer = Consumer(torch.device("cuda"))
 worker, n = int(sys.argv[2]), int(sys.argv[3])
 for i in range(n):
     ref, digest, _ = write(conn, worker * 100000 + i, (576, 1024), "bfloat16", pb.TRANSPORT_CUDA_IPC)
-    assert sha256(importer.load(ref)) == digest, f"corrupted at {i}"
+    assert sha256(consumer.open([ref]).tensors[0]) == digest, f"corrupted at {i}"
     assert call(conn, "release", ref.lease.id)
 print("ok", n)
 """
@@ -110,14 +110,14 @@ def test_1000_handoffs_8_concurrent_consumers(tmp_path):
 
 KILLED_CONSUMER = """
 import sys, time, torch
-from tests.gpu.arena_peer import connect, write
-from services.common.tensorref import FeatureImporter
+from services.handoff.peer import connect, write
+from services.handoff.consumer import Consumer
 from vlmesh.v1 import common_pb2 as pb
 from pathlib import Path
 conn = connect(Path(sys.argv[1]))
-importer = FeatureImporter(torch.device("cuda"))
+consumer = Consumer(torch.device("cuda"))
 for i in range(4):
-    importer.load(write(conn, i, (576, 1024), "bfloat16", pb.TRANSPORT_CUDA_IPC)[0])  # never released
+    consumer.open([write(conn, i, (576, 1024), "bfloat16", pb.TRANSPORT_CUDA_IPC)[0]])  # never released
 print("holding", flush=True)
 time.sleep(600)
 """
@@ -138,7 +138,7 @@ def test_leases_come_back_after_the_consumer_is_killed(tmp_path):
         call(conn, "reap")
         assert call(conn, "stats")["leased"] == 0
         ref, digest, _ = write(conn, 9, (576, 1024), "bfloat16", CUDA)  # the arena serves again
-        assert sha256(FeatureImporter(torch.device("cuda")).load(ref)) == digest
+        assert sha256(Consumer(torch.device("cuda")).open([ref]).tensors[0]) == digest
         conn.send(("stop",))
     finally:
         proc.wait(30)
@@ -147,15 +147,15 @@ def test_leases_come_back_after_the_consumer_is_killed(tmp_path):
 def test_dead_producer_gives_unavailable(tmp_path):
     proc, address = start_peer(tmp_path, "--slots", "2", "--slot-mib", "1.2")
     conn = connect(address)
-    importer = FeatureImporter(torch.device("cuda"))
+    consumer = Consumer(torch.device("cuda"))
     ref, digest, _ = write(conn, 1, (576, 1024), "bfloat16", CUDA)
-    assert sha256(importer.load(ref)) == digest  # opened and cached
+    assert sha256(consumer.open([ref]).tensors[0]) == digest  # opened and cached
     ref2, _, _ = write(conn, 2, (576, 1024), "bfloat16", CUDA)
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     time.sleep(3.5)  # past the heartbeat's staleness bound
     with pytest.raises(Unavailable, match="stopped"):
-        importer.load(ref2)
+        consumer.open([ref2])
 
 
 def test_mesh_on_gpu_uses_cuda_ipc_and_answers_like_the_cpu(tmp_path):

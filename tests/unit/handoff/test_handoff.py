@@ -7,8 +7,9 @@ import torch
 from prometheus_client import REGISTRY
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.common.tensorref import FeatureImporter, choose_transport
-from services.vision.exporter import FeatureExporter
+from services.handoff.consumer import Consumer
+from services.handoff.producer import Producer
+from services.handoff.wire import choose_transport
 from vlmesh.v1 import common_pb2 as pb
 
 SHM, CUDA, INLINE = pb.TRANSPORT_SHM, pb.TRANSPORT_CUDA_IPC, pb.TRANSPORT_INLINE
@@ -49,31 +50,31 @@ def test_no_common_transport():
 @pytest.mark.parametrize("transport", [SHM, INLINE])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_roundtrip_bit_exact(transport, dtype):
-    exporter = FeatureExporter(slot_bytes=16 * 32 * 4, n_slots=4, ttl_s=30, device=torch.device("cpu"), ready="sync")
-    importer = FeatureImporter()
+    producer = Producer(slot_bytes=16 * 32 * 4, n_slots=4, ttl_s=30, device=torch.device("cpu"), ready="sync")
+    consumer = Consumer()
     try:
         feats = [torch.randn(16, 32).to(dtype) for _ in range(3)]
-        refs = exporter.export(feats, transport)
+        refs = producer.export(feats, producer.transport(transport))
         assert [r.transport for r in refs] == [transport] * 3
         for f, ref in zip(feats, refs, strict=True):
-            assert torch.equal(importer.load(ref).view(torch.uint8), f.view(torch.uint8))
+            assert torch.equal(consumer.open([ref]).tensors[0].view(torch.uint8), f.view(torch.uint8))
         if transport == SHM:
-            assert exporter.leased == 3
-            assert exporter.release([r.lease.id for r in refs]) == 3
-            assert exporter.leased == 0
+            assert producer.leased == 3
+            assert producer.release([r.lease.id for r in refs]) == 3
+            assert producer.leased == 0
             with pytest.raises(FailedPrecondition, match="stale"):
-                importer.load(refs[0])
+                consumer.open([refs[0]])
     finally:
-        importer.close()
-        exporter.close()
+        consumer.close()
+        producer.close()
 
 
 def test_cuda_reference_on_a_cpu_consumer_is_refused():
-    exporter = FeatureExporter(slot_bytes=256, n_slots=2, ttl_s=30, device=torch.device("cpu"), ready="sync")
+    producer = Producer(slot_bytes=256, n_slots=2, ttl_s=30, device=torch.device("cpu"), ready="sync")
     try:
-        ref = exporter.export([torch.ones(8, 8)], SHM)[0]
+        ref = producer.export([torch.ones(8, 8)], producer.transport(SHM))[0]
         ref.transport = CUDA
         with pytest.raises(FailedPrecondition, match=r"no GPU"):
-            FeatureImporter().load(ref)
+            Consumer().open([ref])
     finally:
-        exporter.close()
+        producer.close()

@@ -1,10 +1,10 @@
-"""The GPU feature arena: one device allocation, exported once over CUDA IPC.
+"""CUDA_IPC: the GPU feature arena, one device allocation exported once over CUDA IPC.
 
 The vision process allocates `n_slots * slot_bytes` on its GPU at start-up and exports
 the allocation's IPC handle once (PyTorch's storage-sharing tuple: the raw
 cudaIpcMemHandle_t, the storage's size and offset inside the allocation, and PyTorch's
 ref-counter and event handles). Slots are leased exactly like host slots; the lease
-table lives in the arena's shared-memory header (services/common/arena.py).
+table lives in the arena's shared-memory header (services/handoff/arena.py).
 
 Readiness, chosen by the producer (`--ready-signal`):
 - `sync`: the producer synchronises its stream after writing, before it replies;
@@ -20,16 +20,22 @@ prompt's embeddings has run, then it re-checks the lease and releases it).
 
 Both sides work on the device's current stream, cached once: a hand-off is a handful of
 Python calls, and `torch.cuda.current_stream(device)` alone costs about 25 us.
+
+Importing this module touches no CUDA API: a CPU host imports it, and a CPU consumer's
+transport refuses CUDA_IPC references (no GPU). CUDA is initialised only when an arena or
+a consumer's imports are made for a CUDA device.
 """
 
 from __future__ import annotations
 
 import torch
 
-from services.common.arena import CUDA, ArenaTable, ArenaView
 from services.common.config import READY_SIGNALS
 from services.common.errors import FailedPrecondition
-from services.common.leases import Lease
+from services.handoff.arena import CUDA, ArenaTable, ArenaView, ArenaViews
+from services.handoff.leases import Lease
+from services.handoff.transport import ArenaTransport
+from services.handoff.wire import Layout, Origin
 from vlmesh.v1 import common_pb2 as pb
 
 
@@ -40,11 +46,13 @@ def gpu_uuid(device: torch.device) -> str:
     return f"GPU-{uuid}" if uuid is not None else f"{props.name}/{props.pci_bus_id}"  # type: ignore[attr-defined]
 
 
-def _bytes(value) -> bytes:
+def _bytes(value: object) -> bytes:
     return b"" if value is None else bytes(value)
 
 
 class CudaArena(ArenaTable):
+    """A GPU arena: `n_slots` slots of `slot_bytes` in one device allocation, its IPC handle made once."""
+
     def __init__(self, slot_bytes: int, n_slots: int, ttl_s: float, device: torch.device, ready: str) -> None:
         super().__init__(slot_bytes, n_slots, ttl_s, CUDA)
         if ready not in READY_SIGNALS:
@@ -95,6 +103,7 @@ class CudaArena(ArenaTable):
             self.publish(lease)
 
     def close(self) -> None:
+        """Unlink the header and drop the allocation (consumers' mappings keep it alive until they go)."""
         super().close()
         self.slots = ()
         self.buffer = None  # type: ignore[assignment]
@@ -164,3 +173,88 @@ class CudaImports:
         for cache in (self._events, self._views):
             for key in [k for k in cache if k[0] == name]:
                 del cache[key]
+
+    def close(self) -> None:
+        """Drop every opened arena."""
+        for name in list(self._buffers):
+            self.forget(name)
+
+
+class CudaIpcTransport(ArenaTransport):
+    """TRANSPORT_CUDA_IPC: leased slots of a GPU arena, read in place by a consumer on the same GPU.
+
+    The consumer must hold the lease until its kernels have read the tensor, then `verify`.
+    """
+
+    kind = pb.TRANSPORT_CUDA_IPC
+    label = "cuda"
+    in_place = True
+    arena: CudaArena | None
+
+    def __init__(
+        self,
+        *,
+        arena: CudaArena | None = None,
+        origin: Origin | None = None,
+        views: ArenaViews | None = None,
+        imports: CudaImports | None = None,
+        gpu_uuid: str = "",
+    ) -> None:
+        super().__init__(arena=arena, origin=origin, views=views)
+        self.imports = imports  # consumer side; None on a CPU consumer, which refuses CUDA_IPC
+        self.gpu_uuid = gpu_uuid
+
+    @classmethod
+    def producer(
+        cls, host: str, slot_bytes: int, n_slots: int, ttl_s: float, device: torch.device, ready: str
+    ) -> CudaIpcTransport:
+        """The producer's end: owns a fresh arena on `device` (its origin carries the GPU's UUID)."""
+        arena = CudaArena(slot_bytes, n_slots, ttl_s, device, ready)
+        return cls(arena=arena, origin=Origin(host, arena.gpu_uuid), gpu_uuid=arena.gpu_uuid)
+
+    @classmethod
+    def consumer(cls, views: ArenaViews, device: torch.device) -> CudaIpcTransport:
+        """The consumer's end: opens arenas onto `device`; on a CPU device it refuses every reference."""
+        if device.type != "cuda":
+            return cls(views=views)
+        imports = CudaImports(device)
+        return cls(views=views, imports=imports, gpu_uuid=gpu_uuid(device))
+
+    @property
+    def accepted(self) -> bool:
+        return self.imports is not None
+
+    def _write(self, tensor: torch.Tensor) -> tuple[Lease, int]:
+        arena = self._producer_arena()
+        assert isinstance(arena, CudaArena)
+        return arena.write(tensor)
+
+    def _finish(self, leases: list[Lease]) -> None:
+        arena = self._producer_arena()
+        assert isinstance(arena, CudaArena)
+        arena.finish(leases)
+
+    def _ref(self, lease: Lease, offset: int, tensor: torch.Tensor) -> pb.TensorRef:
+        ref = super()._ref(lease, offset, tensor)
+        arena = self._producer_arena()
+        assert isinstance(arena, CudaArena)
+        ref.cuda_ipc.CopyFrom(arena.ipc)
+        if arena.ready == "event":
+            ref.ready = pb.READY_SIGNAL_CUDA_EVENT
+            ref.ready_event = arena.event_handles[lease.slot]
+        return ref
+
+    def _read(self, view: ArenaView, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
+        if self.imports is None:
+            raise FailedPrecondition("this process has no GPU: it cannot open CUDA_IPC references")
+        return self.imports.open(view, ref, layout.dtype, tuple(layout.shape))
+
+    def _forget(self, name: str) -> None:
+        super()._forget(name)
+        if self.imports is not None:
+            self.imports.forget(name)
+
+    def close(self) -> None:
+        super().close()
+        if self.imports is not None:
+            self.imports.close()

@@ -3,8 +3,7 @@
 A slot is handed out with a lease (an unguessable id, a reference count and an
 expiry). It returns to the free list when the last reference is released or when
 the TTL passes, never earlier, so a reader holding a valid lease never sees the
-slot reused under it. Transport-neutral: the SHM arena uses it today, the CUDA
-arena will too.
+slot reused under it. Transport-neutral: the host (SHM) and the CUDA arenas both use it.
 """
 
 from __future__ import annotations
@@ -19,6 +18,8 @@ from services.common.errors import ResourceExhausted
 
 @dataclass
 class Lease:
+    """One slot held for a reader: the id travels in the TensorRef, the slot stays here."""
+
     id: int
     slot: int
     refs: int
@@ -27,7 +28,7 @@ class Lease:
 
 
 class LeaseTable:
-    """Thread-safe slot allocator with leases. `on_free(slot)` runs when a slot frees."""
+    """Thread-safe slot allocator with leases."""
 
     def __init__(self, n_slots: int, ttl_s: float) -> None:
         self.n_slots = n_slots
@@ -37,6 +38,7 @@ class LeaseTable:
         self._lock = threading.Lock()
 
     def acquire(self, refs: int = 1) -> Lease:
+        """A free slot under a fresh lease; RESOURCE_EXHAUSTED (with retry info) when none is free."""
         with self._lock:
             if not self._free:
                 raise ResourceExhausted(
@@ -75,5 +77,6 @@ class LeaseTable:
 
     @property
     def leased(self) -> int:
+        """How many slots are leased now."""
         with self._lock:
             return len(self._by_id)

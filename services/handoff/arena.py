@@ -25,7 +25,7 @@ import time
 from multiprocessing import resource_tracker, shared_memory
 
 from services.common.errors import FailedPrecondition, Unavailable
-from services.common.leases import Lease, LeaseTable
+from services.handoff.leases import Lease, LeaseTable
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ EXPIRY_MARGIN_S = 0.5  # refuse a lease this close to expiry: the slot could be 
 
 
 def align(n: int) -> int:
+    """`n` rounded up to a page (slots start on page boundaries)."""
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
@@ -82,9 +83,11 @@ class ArenaTable:
             struct.pack_into("<d", self.shm.buf, _HEARTBEAT_OFFSET, time.monotonic())
 
     def slot_offset(self, slot: int) -> int:
+        """Byte offset of a slot's data (in the segment for host arenas, in the allocation for CUDA)."""
         return self.data_offset + slot * self.slot_bytes
 
     def check_fits(self, nbytes: int) -> None:
+        """ValueError when a tensor of `nbytes` does not fit a slot (a sizing bug, not bad input)."""
         if nbytes > self.slot_bytes:
             raise ValueError(f"tensor of {nbytes} bytes exceeds the arena slot of {self.slot_bytes} bytes")
 
@@ -98,6 +101,7 @@ class ArenaTable:
         _ID.pack_into(self.shm.buf, _entry_offset(slot), 0)
 
     def release(self, lease_id: int) -> bool:
+        """End a lease early; False when it is unknown (released, expired, forged, or another arena's)."""
         slot = self.leases.release(lease_id)
         if slot is None:
             return False
@@ -105,6 +109,7 @@ class ArenaTable:
         return True
 
     def reap(self) -> int:
+        """Reclaim the slots whose lease expired unreleased; return how many."""
         slots = self.leases.reap()
         for slot in slots:
             self._clear(slot)
@@ -113,6 +118,7 @@ class ArenaTable:
         return len(slots)
 
     def close(self) -> None:
+        """Stop the heartbeat and unlink the header segment (the owner alone unlinks)."""
         self._stop.set()
         self._beat.join(timeout=2)
         self.shm.close()
@@ -181,7 +187,36 @@ class ArenaView:
             raise FailedPrecondition("tensor reference is about to expire: ask the vision service again")
 
     def close(self) -> None:
+        """Detach from the segment (never unlink: the producer owns it)."""
         try:
             self.shm.close()
         except BufferError:
             pass  # a view is still alive; the mapping goes with the process
+
+
+class ArenaViews:
+    """Consumer side: the arenas this process has attached, one view per arena id, kept for its life.
+
+    Shared by the transports that read arenas (SHM and CUDA IPC): each attaches once.
+    """
+
+    def __init__(self) -> None:
+        self._views: dict[str, ArenaView] = {}
+
+    def get(self, name: str) -> ArenaView:
+        """The view of arena `name`, attached on first use (UNAVAILABLE when it does not exist)."""
+        view = self._views.get(name)
+        if view is None:
+            view = self._views[name] = ArenaView(name)
+        return view
+
+    def forget(self, name: str) -> None:
+        """Drop an arena whose producer is gone; a new producer makes a new arena."""
+        view = self._views.pop(name, None)
+        if view is not None:
+            view.close()
+
+    def close(self) -> None:
+        """Detach from every arena."""
+        for name in list(self._views):
+            self.forget(name)

@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from services.common import arena as arena_mod
-from services.common.arena import ArenaView
 from services.common.errors import FailedPrecondition, ResourceExhausted, Unavailable
-from services.common.leases import LeaseTable
-from services.common.shm_arena import ShmArena, read_host
+from services.handoff import arena as arena_mod
+from services.handoff.arena import ArenaView
+from services.handoff.leases import LeaseTable
+from services.handoff.shm import ShmArena, read_host
 
 
 @pytest.fixture
@@ -117,8 +117,8 @@ def test_another_process_reads_and_does_not_unlink(arena):
     lease, offset = arena.write(t)
     code = (
         "import torch\n"
-        "from services.common.arena import ArenaView\n"
-        "from services.common.shm_arena import read_host\n"
+        "from services.handoff.arena import ArenaView\n"
+        "from services.handoff.shm import read_host\n"
         f"out = read_host(ArenaView({arena.name!r}), {offset}, 256, {lease.id}, torch.float32, [64])\n"
         "print(float(out.sum()))\n"
     )

@@ -1,7 +1,8 @@
-"""A producer process that owns a CUDA (or host) arena and serves writes to consumers.
+"""A stand-in producer process for tests and benchmarks: it owns a CUDA (and host) arena and serves writes.
 
-Used by the GPU tests and bench/handoff.py to put producer and consumer in two real
-processes. Protocol over multiprocessing.connection (one thread per consumer):
+Used by the GPU tests (tests/gpu/test_cuda_ipc.py) and bench/handoff.py to put producer and
+consumer in two real processes, without a vision model. Protocol over
+multiprocessing.connection (one thread per consumer):
     ("write", seed, shape, dtype_name, transport) -> (TensorRef bytes, sha256 hex, producer seconds)
     ("release", lease_id)                         -> bool
     ("stats",)                                    -> {"leased": n}
@@ -10,7 +11,7 @@ processes. Protocol over multiprocessing.connection (one thread per consumer):
 The tensor for a seed is torch.randn on the producer's GPU, so consumers can ask for the
 checksum computed here and compare bit for bit.
 
-    python -m tests.gpu.arena_peer ADDRESS_FILE [--slots N] [--ttl S] [--ready sync|event] [--slot-mib M]
+    python -m services.handoff.peer ADDRESS_FILE [--slots N] [--ttl S] [--ready sync|event] [--slot-mib M]
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import hashlib
 import os
 import threading
 import time
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from services.handoff.producer import Producer
 from vlmesh.v1 import common_pb2 as pb
 
 AUTHKEY = b"vlmesh-arena-peer"
@@ -32,40 +35,40 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 
 
 def sha256(t: torch.Tensor) -> str:
+    """The tensor's bytes' checksum: equal on both ends exactly when nothing changed on the way."""
     return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
 def serve(address_file: Path, slots: int, ttl: float, ready: str, slot_mib: float) -> None:
-    from services.vision.exporter import FeatureExporter
-
+    """Own a Producer on the GPU and answer consumers (one thread each) until told to stop."""
     device = torch.device("cuda")
-    exporter = FeatureExporter(int(slot_mib * 2**20), slots, ttl, device, ready)
+    producer = Producer(int(slot_mib * 2**20), slots, ttl, device, ready)
     listener = Listener(("127.0.0.1", 0), authkey=AUTHKEY)
 
-    def reply(conn, msg) -> None:
+    def reply(conn: Connection, msg: tuple) -> None:
         if msg[0] == "write":
             _, seed, shape, dtype, transport = msg
             gen = torch.Generator(device=device).manual_seed(seed)
             t = torch.randn(shape, generator=gen, device=device).to(DTYPES[dtype])
             torch.cuda.synchronize()
             start = time.perf_counter()
-            ref = exporter.export([t], transport)[0]
+            ref = producer.export([t], producer.transport(transport))[0]
             elapsed = time.perf_counter() - start
             conn.send((ref.SerializeToString(), sha256(t), elapsed))
         elif msg[0] == "release":
-            conn.send(exporter.release([msg[1]]) == 1)
+            conn.send(producer.release([msg[1]]) == 1)
         elif msg[0] == "stats":
-            conn.send({"leased": exporter.leased, "gpu_uuid": exporter.gpu_uuid, "host": exporter.host})
+            conn.send({"leased": producer.leased, "gpu_uuid": producer.gpu_uuid, "host": producer.host})
         elif msg[0] == "reap":
-            conn.send(exporter.reap())
+            conn.send(producer.reap())
         elif msg[0] == "stop":
             # accept() in the main thread cannot be interrupted portably: leave hard,
             # after unlinking the arena's segment.
-            exporter.close()
+            producer.close()
             conn.send(True)
             os._exit(0)
 
-    def handle(conn) -> None:
+    def handle(conn: Connection) -> None:
         with conn:
             while True:
                 try:
@@ -83,10 +86,11 @@ def serve(address_file: Path, slots: int, ttl: float, ready: str, slot_mib: floa
         while True:
             threading.Thread(target=handle, args=(listener.accept(),), daemon=True).start()
     finally:
-        exporter.close()
+        producer.close()
 
 
-def connect(address_file: Path, timeout: float = 60.0):
+def connect(address_file: Path, timeout: float = 60.0) -> Connection:
+    """Connect to the peer that writes its address to `address_file` (waits for it to start)."""
     deadline = time.monotonic() + timeout
     while not address_file.exists() or not address_file.read_text():
         if time.monotonic() > deadline:
@@ -96,7 +100,8 @@ def connect(address_file: Path, timeout: float = 60.0):
     return Client((host, int(port)), authkey=AUTHKEY)
 
 
-def call(conn, *msg):
+def call(conn: Connection, *msg: object) -> Any:
+    """Send one request, return its answer; an error raised in the peer is raised here."""
     conn.send(msg)
     out = conn.recv()
     if isinstance(out, Exception):
@@ -104,13 +109,16 @@ def call(conn, *msg):
     return out
 
 
-def write(conn, seed: int, shape, dtype: str, transport: int) -> tuple[pb.TensorRef, str, float]:
+def write(
+    conn: Connection, seed: int, shape: tuple[int, ...], dtype: str, transport: int
+) -> tuple[pb.TensorRef, str, float]:
+    """Have the peer export torch.randn(shape) for `seed`: (its reference, its sha256, producer seconds)."""
     raw, digest, seconds = call(conn, "write", seed, tuple(shape), dtype, transport)
     return pb.TensorRef.FromString(raw), digest, seconds
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description="a stand-in feature producer for tests and benchmarks")
     p.add_argument("address_file", type=Path)
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--ttl", type=float, default=30.0)

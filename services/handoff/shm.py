@@ -1,0 +1,74 @@
+"""SHM: the host-memory feature arena, whose slot data lives in the header's shared-memory segment.
+
+This is the transport on a CPU host (and between any two processes of one host). The
+consumer copies a slot out, checking the lease before and after the copy, so the lease
+may go as soon as `open` returns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.errors import FailedPrecondition
+from services.handoff.arena import HOST, ArenaTable, ArenaView, ArenaViews
+from services.handoff.leases import Lease
+from services.handoff.transport import ArenaTransport
+from services.handoff.wire import Layout, Origin
+from vlmesh.v1 import common_pb2 as pb
+
+
+class ShmArena(ArenaTable):
+    """A host arena: `n_slots` slots of `slot_bytes` in one POSIX shared-memory segment."""
+
+    def __init__(self, slot_bytes: int, n_slots: int, ttl_s: float) -> None:
+        super().__init__(slot_bytes, n_slots, ttl_s, HOST)
+
+    def write(self, tensor: torch.Tensor) -> tuple[Lease, int]:
+        """Copy a tensor (any device) into a fresh slot; return its lease and byte offset."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self.check_fits(nbytes)
+        lease = self.leases.acquire()
+        offset = self.slot_offset(lease.slot)
+        dst = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
+        dst.copy_(tensor.contiguous().view(-1).view(torch.uint8))  # from a GPU: a synchronous D2H copy
+        self.publish(lease)
+        return lease, offset
+
+
+def read_host(view: ArenaView, offset: int, nbytes: int, lease_id: int, dtype: torch.dtype, shape: list[int]):
+    """Copy a host-arena slot out as a tensor of `shape`, validated before and after the copy."""
+    if view.location != HOST:
+        raise FailedPrecondition(f"arena {view.name!r} is not a host-memory arena")
+    slot = view.slot(offset, nbytes)
+    view.check(slot, lease_id)
+    src = torch.frombuffer(view.shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
+    out = src.clone().view(dtype).view(shape)
+    view.check(slot, lease_id, margin_s=0.0)  # not freed (and so not reused) while we copied
+    return out
+
+
+class ShmTransport(ArenaTransport):
+    """TRANSPORT_SHM: leased slots of a host arena; the consumer copies them out (not in place)."""
+
+    kind = pb.TRANSPORT_SHM
+    label = "shm"
+    in_place = False
+    arena: ShmArena | None
+
+    @classmethod
+    def producer(cls, origin: Origin, slot_bytes: int, n_slots: int, ttl_s: float) -> ShmTransport:
+        """The producer's end: owns a fresh host arena."""
+        return cls(arena=ShmArena(slot_bytes, n_slots, ttl_s), origin=origin)
+
+    @classmethod
+    def consumer(cls, views: ArenaViews) -> ShmTransport:
+        """The consumer's end: reads arenas through the process's shared views."""
+        return cls(views=views)
+
+    def _write(self, tensor: torch.Tensor) -> tuple[Lease, int]:
+        arena = self._producer_arena()
+        assert isinstance(arena, ShmArena)
+        return arena.write(tensor)  # published on write: readable at once
+
+    def _read(self, view: ArenaView, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
+        return read_host(view, ref.offset, ref.nbytes, ref.lease.id, layout.dtype, layout.shape)
