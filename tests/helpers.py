@@ -217,7 +217,7 @@ class Parts:
         self, image: int | bytes, prompt: str, qos: QosLevel = QosLevel.STANDARD, **sampling
     ) -> tuple[Request, dict]:
         """`image`: encoded bytes, or a seed for a random-noise picture."""
-        from services.common.sampling import check_sampling
+        from services.common.validation import check_sampling
         from services.llm.detokenizer import Detokenizer
         from services.llm.request import Request
 

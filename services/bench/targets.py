@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
 from services.bench.workloads import BenchRequest
 from services.common.qos import QOS_METADATA_KEY
 from services.common.server import GRPC_OPTIONS
+from services.common.timings import Timings
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -27,25 +27,23 @@ class Outcome:
     e2e_s: float = 0.0
     ttft_s: float | None = None
     output_tokens: int = 0
-    stages_ms: dict[str, float] = field(default_factory=dict)
+    timings: Timings | None = None  # the system's own account of where the time went, if it gives one
     text: str = ""  # the answer, for checking that two systems did the same work
+
+    @property
+    def stages_ms(self) -> dict[str, float]:
+        """The table's stages (STAGES) in ms; empty when the system reports none."""
+        t = self.timings
+        if t is None:
+            return {}
+        stages = (t.queue, t.preprocess, t.vision, t.handoff, t.prefill, t.decode)
+        return {name: s * 1000 for name, s in zip(STAGES, stages, strict=True)}
 
     @property
     def tpot_s(self) -> float | None:
         if self.ttft_s is None or self.output_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-def stages_from_timings(t: pb.StageTimings) -> dict[str, float]:
-    return {
-        "queue": t.admission_ms + t.vision_queue_ms + t.llm_queue_ms,
-        "preprocess": t.preprocess_ms,
-        "vision": t.vision_ms,
-        "handoff": t.handoff_ms,
-        "prefill": t.prefill_ms,
-        "decode": t.decode_ms,
-    }
 
 
 def sampling_for(req: BenchRequest) -> pb.SamplingParams:
@@ -79,63 +77,32 @@ class MeshTarget:
             return Outcome(err.code().name, time.perf_counter() - start)
         if final is None or final.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             return Outcome("INCOMPLETE", time.perf_counter() - start)
-        return Outcome(
-            "OK", time.perf_counter() - start, ttft, tokens, stages_from_timings(final.timings), "".join(text)
-        )
+        return Outcome("OK", time.perf_counter() - start, ttft, tokens, Timings.from_pb(final.timings), "".join(text))
 
     async def close(self) -> None:
         await self.channel.close()
 
 
 class InprocessTarget:
-    """The mesh's own encoder, batcher and engine in this process: no gRPC, no hand-off."""
+    """The mesh's own pipeline in this process (services/pipeline.py): no gRPC, no hand-off."""
 
     name = "inprocess"
 
     def __init__(self, model_dir: str, device: str, dtype: str, max_vision_batch: int, max_llm_batch: int) -> None:
-        from services.common.config import SWITCH_INTERVAL_MS
-        from services.llm.engine import Engine
-        from services.llm.runner import ModelRunner
-        from services.model.prompt import PromptBuilder
-        from services.model.spec import load_spec
-        from services.vision.batcher import VisionBatcher
-        from services.vision.encoder import VisionEncoder
+        from services.pipeline import Pipeline
 
-        sys.setswitchinterval(SWITCH_INTERVAL_MS / 1000)  # as the servers do: the same runtime, minus gRPC
-        spec = load_spec(model_dir)
-        self.prompts = PromptBuilder(spec)
-        self.encoder = VisionEncoder(spec, device, dtype)
-        self.batcher = VisionBatcher(self.encoder, max_vision_batch)
-        self.engine = Engine(ModelRunner(spec, self.encoder.device, self.encoder.dtype, max_llm_batch), max_llm_batch)
-        self.engine.start()
-        self._started = False
+        self.pipeline = Pipeline(model_dir, device, dtype, max_vision_batch, max_llm_batch)
 
     async def send(self, req: BenchRequest) -> Outcome:
-        from services.common.sampling import check_sampling
+        from services.common.validation import check_sampling
         from services.llm.request import Finish
-        from services.llm.submit import submit
 
-        if not self._started:
-            self.batcher.start()
-            self._started = True
         start = time.perf_counter()
         try:
-            pixels = await asyncio.get_running_loop().run_in_executor(None, self.encoder.pixels, req.image)
-            preprocess_ms = (time.perf_counter() - start) * 1000
-            encoded = await self.batcher.submit(pixels, req.qos)
-            sampling = check_sampling(sampling_for(req), self.prompts.spec.text.max_context)
-            sub = submit(
-                self.engine,
-                self.prompts,
-                req.max_tokens,
-                str(req.index),
-                req.prompt,
-                [encoded.features],
-                sampling,
-                req.qos,
-            )
+            sampling = check_sampling(sampling_for(req), self.pipeline.max_context)
+            run = await self.pipeline.submit(req.image, req.prompt, sampling, req.qos, str(req.index))
             ttft, tokens = None, 0
-            async with contextlib.aclosing(sub.outputs()) as outputs:
+            async with contextlib.aclosing(run.outputs()) as outputs:
                 async for out in outputs:
                     if out.token_ids and ttft is None:
                         ttft = time.perf_counter() - start
@@ -144,20 +111,10 @@ class InprocessTarget:
                         return Outcome(out.finish.name, time.perf_counter() - start)
         except Exception as err:  # a benchmark records failures, it does not stop on them
             return Outcome(type(err).__name__, time.perf_counter() - start)
-        r = sub.req
-        stages = {
-            "queue": encoded.queue_ms + (r.scheduled_at - r.arrival) * 1000,
-            "preprocess": preprocess_ms,
-            "vision": encoded.encode_ms,
-            "handoff": 0.0,
-            "prefill": (r.prefill_done_at - r.scheduled_at) * 1000,
-            "decode": (r.finished_at - r.prefill_done_at) * 1000,
-        }
-        return Outcome("OK", time.perf_counter() - start, ttft, tokens, stages)
+        return Outcome("OK", time.perf_counter() - start, ttft, tokens, run.timings)
 
     async def close(self) -> None:
-        await self.batcher.stop()
-        self.engine.stop()
+        await self.pipeline.close()
 
 
 class HfTarget:

@@ -1,19 +1,15 @@
-"""One exception hierarchy for the mesh, and the one place it maps to gRPC statuses.
+"""One exception hierarchy for the mesh, and the one place it maps to gRPC statuses and back.
 
-Code anywhere raises a `MeshError` subclass; the servicer wrappers `unary` and
-`stream` turn it into the matching status. Any other exception becomes INTERNAL with
-its traceback logged, and the server keeps serving.
+Code anywhere raises a `MeshError` subclass; `abort` (called by the servicer wrappers in
+services/common/rpc.py) turns it into the matching status, and `from_rpc_error` turns a
+downstream status back into an error. Any other exception becomes INTERNAL with its
+traceback logged, and the server keeps serving.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import functools
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
 
 import grpc
 
@@ -118,7 +114,8 @@ def from_rpc_error(err: grpc.RpcError, peer: str) -> MeshError:
     return Unavailable(f"{peer} failed with {code.name}: {details}")
 
 
-async def _abort(context: grpc.aio.ServicerContext, err: BaseException, method: str) -> None:
+async def abort(context: grpc.aio.ServicerContext, err: BaseException, method: str) -> None:
+    """End the RPC with the status `err` maps to (RetryInfo for overload); any other exception is INTERNAL."""
     if isinstance(err, ResourceExhausted):
         # Clients and proxies read when to retry from google.rpc RetryInfo in the status details.
         try:
@@ -138,65 +135,3 @@ async def _abort(context: grpc.aio.ServicerContext, err: BaseException, method: 
         await context.abort(err.code, err.message)
     log.exception("%s: unexpected error", method, exc_info=err)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(err).__name__}: {err}")
-
-
-def _count(fn, code: str) -> None:
-    from services.common.metrics import REQUESTS
-
-    cls, _, method = fn.__qualname__.partition(".")
-    REQUESTS.labels(cls.removesuffix("Servicer").lower(), method, code).inc()
-
-
-def _code(err: BaseException) -> str:
-    return err.code.name if isinstance(err, MeshError) else "INTERNAL"
-
-
-Req = TypeVar("Req")
-Resp = TypeVar("Resp")
-
-
-def unary(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]):
-    """Wrap a unary servicer method so that errors map to statuses in one place."""
-
-    @functools.wraps(fn)
-    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
-        try:
-            out = await fn(self, request, context)
-        except asyncio.CancelledError:
-            _count(fn, "CANCELLED")
-            raise
-        except grpc.aio.AbortError:
-            raise
-        except Exception as err:
-            _count(fn, _code(err))
-            await _abort(context, err, fn.__qualname__)
-            raise  # unreachable: abort raises
-        _count(fn, "OK")
-        return out
-
-    return wrapper
-
-
-def stream(fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]]):
-    """Wrap a server-streaming servicer method; errors map to statuses as in `unary`."""
-
-    @functools.wraps(fn)
-    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
-        try:
-            # aclosing: a cancelled RPC closes the inner generator now, so its
-            # `finally` (engine abort, lease release) runs at once, not at GC.
-            async with contextlib.aclosing(fn(self, request, context)) as items:
-                async for item in items:
-                    yield item
-        except (asyncio.CancelledError, GeneratorExit):
-            _count(fn, "CANCELLED")
-            raise
-        except grpc.aio.AbortError:
-            raise
-        except Exception as err:
-            _count(fn, _code(err))
-            await _abort(context, err, fn.__qualname__)
-            return
-        _count(fn, "OK")
-
-    return wrapper

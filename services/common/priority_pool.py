@@ -20,7 +20,7 @@ from services.common.qos import QosLevel, effective_class
 
 class PriorityPool:
     def __init__(self, workers: int, name: str) -> None:
-        self._queue: list[tuple[int, int, float, Callable[[], Any], Future]] = []
+        self._queue: list[tuple[QosLevel, int, float, Callable[[], Any], Future]] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
@@ -33,7 +33,7 @@ class PriorityPool:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the pool is shut down")
-            self._queue.append((int(level), next(self._seq), time.perf_counter(), lambda: fn(*args), future))
+            self._queue.append((level, next(self._seq), time.perf_counter(), lambda: fn(*args), future))
             self._cond.notify()
         return future
 

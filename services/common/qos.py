@@ -31,7 +31,7 @@ _BY_WIRE = {level.wire: level for level in QosLevel}
 AGING_S = 2.0
 
 
-def effective_class(level: int, waited_s: float, aging_s: float = AGING_S) -> int:
+def effective_class(level: QosLevel, waited_s: float, aging_s: float = AGING_S) -> int:
     """The class a request competes in after waiting `waited_s` (0 = realtime)."""
     return max(0, int(level) - int(waited_s // aging_s))
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from services.common import metrics
 from services.common.errors import ResourceExhausted
 from services.common.qos import QosLevel
+from services.common.timings import Timings
 from services.gateway.config import STAGES, AdmissionConfig
 
 EWMA_WEIGHT = 0.1  # of each new sample: about the last 10-20 answered requests
@@ -104,17 +105,20 @@ class Admission:
         err.reason = reason  # the gateway counts refusals by class and reason
         raise err
 
-    def finish(self, ticket: Ticket, stages_ms: dict[str, float] | None = None, output_tokens: int = 0) -> None:
+    def finish(self, ticket: Ticket, timings: Timings | None = None, output_tokens: int = 0) -> None:
         """End a ticket (once); an answered request's stage times update the averages."""
         with self._lock:
             if ticket.done:
                 return
             ticket.done = True
             self.in_flight[ticket.qos] -= 1
-            for stage, ms in (stages_ms or {}).items():
+            if timings is None:
+                return
+            for stage in STAGES:
+                seconds = getattr(timings, stage)
                 if stage == "decode":
                     if output_tokens < 2:
                         continue
-                    ms /= output_tokens - 1  # the first token comes from the prefill
+                    seconds /= output_tokens - 1  # the first token comes from the prefill
                 old = self.stage_s[stage]
-                self.stage_s[stage] = ms / 1000 if old is None else old + EWMA_WEIGHT * (ms / 1000 - old)
+                self.stage_s[stage] = seconds if old is None else old + EWMA_WEIGHT * (seconds - old)

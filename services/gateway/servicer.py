@@ -15,13 +15,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.common import errors, metrics, telemetry
+from services.common import metrics, rpc, telemetry
 from services.common.errors import InvalidArgument, MeshError, Unavailable, from_rpc_error
 from services.common.logs import request_context
 from services.common.qos import QosLevel, qos_from_metadata, qos_metadata
-from services.common.sampling import check_sampling
+from services.common.sampling import Sampling
 from services.common.server import GRPC_OPTIONS
-from services.common.validation import check_images, check_prompt
+from services.common.timings import Timings
+from services.common.validation import check_images, check_prompt, check_sampling
 from services.gateway.admission import Admission, AdmissionConfig, Ticket
 from services.gateway.tenants import Tenant, TenantRegistry
 from services.handoff.release import release_leases
@@ -71,7 +72,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise Unavailable(f"llm service is not reachable: {err.code().name}") from err
         return self._llm_info
 
-    @errors.unary
+    @rpc.unary
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext):
         info = pb.ServiceInfo()
         info.CopyFrom(await self.llm_info())
@@ -133,7 +134,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         try:
             # aclosing: a cancelled client closes the inner generator at once (llm call, leases).
-            serve = self._serve(request, context, request_id, tenant, qos, info, ticket, received)
+            serve = self._serve(request, context, request_id, tenant, qos, sampling, info, ticket, received)
             async with contextlib.aclosing(serve) as outputs:
                 async for out in outputs:
                     yield out
@@ -147,6 +148,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         request_id: str,
         tenant: Tenant | None,
         qos: QosLevel,
+        sampling: Sampling,
         info: pb.ServiceInfo,
         ticket: Ticket,
         received: float,
@@ -170,7 +172,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     request_id=request_id,
                     prompt=request.prompt,
                     image_features=encoded.features,
-                    sampling=request.sampling,
+                    sampling=sampling.to_pb(),  # checked and normalised here, once
                 ),
                 metadata=metadata,
                 timeout=context.time_remaining(),
@@ -184,18 +186,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         first_token_at = time.perf_counter()
                     out = gateway_pb2.GenerateResponse(request_id=request_id, text=msg.text, token_ids=msg.token_ids)
                     if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                        self._finish(out, msg, encoded.timings, qos, received, admitted, first_token_at)
-                        t = out.timings
-                        self.admission.finish(
-                            ticket,
-                            {
-                                "preprocess": t.preprocess_ms,
-                                "vision": t.vision_ms,
-                                "prefill": t.prefill_ms,
-                                "decode": t.decode_ms,
-                            },
-                            msg.usage.output_tokens,
-                        )
+                        timings = self._finish(out, msg, encoded.timings, qos, received, admitted, first_token_at)
+                        self.admission.finish(ticket, timings, msg.usage.output_tokens)
                         if tenant is not None and tenant.tokens is not None:
                             tenant.tokens.charge(msg.usage.output_tokens)
                     yield out
@@ -212,24 +204,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise
 
     @staticmethod
-    def _finish(out, msg, vision_timings, qos, received: float, admitted: float, first_token_at: float | None) -> None:
-        """Fill the final message (usage, merged stage timings) and record the request's metrics."""
+    def _finish(
+        out, msg, vision_timings, qos, received: float, admitted: float, first_token_at: float | None
+    ) -> Timings:
+        """Fill the final message (usage, merged stage timings), record the request's metrics, return its timings."""
         done = time.perf_counter()
-        t = out.timings
-        t.MergeFrom(vision_timings)
-        t.llm_queue_ms = msg.timings.llm_queue_ms
-        t.prefill_ms = msg.timings.prefill_ms
-        t.decode_ms = msg.timings.decode_ms
-        t.handoff_ms += msg.timings.handoff_ms
-        t.admission_ms = (admitted - received) * 1000
-        t.ttft_ms = ((first_token_at or done) - received) * 1000
-        t.total_ms = (done - received) * 1000
+        t = (
+            Timings.from_pb(vision_timings)
+            .merge(Timings.from_pb(msg.timings))
+            .replace(admission=admitted - received, ttft=(first_token_at or done) - received, total=done - received)
+        )
+        out.timings.CopyFrom(t.to_pb())
         out.finish_reason = msg.finish_reason
         out.usage.CopyFrom(msg.usage)
         n = msg.usage.output_tokens
         level = qos.wire
         metrics.REQUEST_DURATION.labels(level).observe(done - received)
-        metrics.TTFT.labels(level).observe(t.ttft_ms / 1000)
+        metrics.TTFT.labels(level).observe(t.ttft)
         if n > 1 and first_token_at is not None:
             metrics.TPOT.labels(level).observe((done - first_token_at) / (n - 1))
         metrics.OUTPUT_TOKENS.labels(level).inc(n)
@@ -240,17 +231,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 "gen_ai.response.finish_reasons": [pb.FinishReason.Name(msg.finish_reason)],
             }
         )
+        return t
 
     async def _release(self, refs) -> None:
         """The llm never read these features: hand the slots back instead of waiting for the TTL."""
         await release_leases(self.vision, refs, timeout_s=2)
 
-    @errors.stream
+    @rpc.stream
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         async for msg in self._run(request, context):
             yield msg
 
-    @errors.unary
+    @rpc.unary
     async def GenerateUnary(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         result = gateway_pb2.GenerateResult()
         texts: list[str] = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -28,9 +28,6 @@ from services.handoff.transport import Transport
 from services.handoff.wire import layout, transport_name
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import vision_pb2_grpc
-
-# (verify, release): run by the reader's thread after it read the in-place tensors.
-LeaseHooks = tuple[Callable[[], None], Callable[[], None]]
 
 
 class HeldLeases:
@@ -101,11 +98,6 @@ class Opened:
             return None
         self._handed = True
         return HeldLeases(self, asyncio.get_running_loop())
-
-    def lease_hooks(self) -> LeaseHooks | None:
-        """`hold`, as the (verify, release) pair the llm engine's submit takes; None if all are copies."""
-        held = self.hold()
-        return None if held is None else (held.verify, held.release)
 
     def release_rest(self) -> None:
         """Hand back, without waiting, every lease not handed to a reader by `hold`.

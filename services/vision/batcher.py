@@ -22,7 +22,7 @@ from services.vision.encoder import VisionEncoder
 
 @dataclass
 class _Item:
-    qos: int
+    qos: QosLevel
     seq: int
     pixels: torch.Tensor = field(compare=False)
     future: asyncio.Future = field(compare=False)
@@ -33,8 +33,8 @@ class _Item:
 @dataclass
 class EncodeResult:
     features: torch.Tensor  # [image_tokens, H]
-    queue_ms: float
-    encode_ms: float
+    queue_s: float
+    encode_s: float
     batch_size: int
 
 
@@ -62,16 +62,17 @@ class VisionBatcher:
 
     async def submit(self, pixels: torch.Tensor, qos: QosLevel) -> EncodeResult:
         future = asyncio.get_running_loop().create_future()
-        item = _Item(int(qos), next(self._seq), pixels, future, time.perf_counter(), telemetry.current_context())
+        item = _Item(qos, next(self._seq), pixels, future, time.perf_counter(), telemetry.current_context())
         self._waiting.append(item)
         metrics.QUEUE_DEPTH.labels("vision", qos.wire).inc()
         self._wake.set()
         result = await future
-        telemetry.record_span("vision.queue", item.enqueued, item.enqueued + result.queue_ms / 1000)
+        started = item.enqueued + result.queue_s
+        telemetry.record_span("vision.queue", item.enqueued, started)
         telemetry.record_span(
             "vision.encode",
-            item.enqueued + result.queue_ms / 1000,
-            item.enqueued + (result.queue_ms + result.encode_ms) / 1000,
+            started,
+            started + result.encode_s,
             {"batch.size": result.batch_size, "cache.hit": False},
         )
         return result
@@ -87,7 +88,7 @@ class VisionBatcher:
                 self._waiting.sort(key=lambda it: (effective_class(it.qos, now - it.enqueued), it.seq))
                 while self._waiting and len(batch) < self.max_batch:
                     item = self._waiting.pop(0)
-                    level = QosLevel(item.qos).wire
+                    level = item.qos.wire
                     metrics.QUEUE_DEPTH.labels("vision", level).dec()
                     if not item.future.cancelled():  # the caller went away while waiting
                         batch.append(item)
@@ -104,13 +105,10 @@ class VisionBatcher:
                             item.future.set_exception(err)
                     continue
                 end = time.perf_counter()
-                encode_ms = (end - start) * 1000
                 metrics.BATCH_SIZE.labels("vision").observe(len(batch))
                 metrics.STAGE_DURATION.labels("vision").observe(end - start)
                 with telemetry.linked([item.trace for item in batch]) as links:  # one batch, many requests
                     telemetry.record_span("vision.batch", start, end, {"batch.size": len(batch)}, links=links)
                 for i, item in enumerate(batch):
                     if not item.future.done():
-                        item.future.set_result(
-                            EncodeResult(feats[i], (start - item.enqueued) * 1000, encode_ms, len(batch))
-                        )
+                        item.future.set_result(EncodeResult(feats[i], start - item.enqueued, end - start, len(batch)))

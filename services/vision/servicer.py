@@ -8,10 +8,11 @@ import time
 
 import grpc
 
-from services.common import errors, metrics, telemetry
+from services.common import metrics, rpc, telemetry
 from services.common.logs import request_context
 from services.common.priority_pool import PriorityPool
 from services.common.qos import qos_from_metadata
+from services.common.timings import Timings
 from services.common.validation import check_images
 from services.handoff.producer import Producer
 from services.vision.batcher import VisionBatcher
@@ -29,7 +30,7 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         self.producer = producer
         self._preprocess = PriorityPool(workers, "preprocess")  # realtime images are decoded first
 
-    @errors.unary
+    @rpc.unary
     async def Encode(self, request: vision_pb2.EncodeRequest, context: grpc.aio.ServicerContext):
         qos = qos_from_metadata(context.invocation_metadata())
         request_context(request.request_id)
@@ -51,26 +52,25 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
                     for image in request.images
                 )
             )
-        preprocess_ms = (time.perf_counter() - t0) * 1000
-        metrics.STAGE_DURATION.labels("preprocess").observe(preprocess_ms / 1000)
+        preprocess = time.perf_counter() - t0
+        metrics.STAGE_DURATION.labels("preprocess").observe(preprocess)
         results = await asyncio.gather(*(self.batcher.submit(p, qos) for p in pixels))
         t1 = time.perf_counter()
         with telemetry.span("handoff.export", {"transport": transport.name}):
             refs = self.producer.export([r.features for r in results], transport)
-        handoff_ms = (time.perf_counter() - t1) * 1000
-        timings = pb.StageTimings(
-            preprocess_ms=preprocess_ms,
-            vision_queue_ms=max(r.queue_ms for r in results),
-            vision_ms=max(r.encode_ms for r in results),
-            handoff_ms=handoff_ms,
+        timings = Timings(
+            preprocess=preprocess,
+            vision_queue=max(r.queue_s for r in results),
+            vision=max(r.encode_s for r in results),
+            handoff=time.perf_counter() - t1,
         )
-        return vision_pb2.EncodeResponse(features=refs, timings=timings)
+        return vision_pb2.EncodeResponse(features=refs, timings=timings.to_pb())
 
-    @errors.unary
+    @rpc.unary
     async def Release(self, request: vision_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
         return vision_pb2.ReleaseResponse(released=self.producer.release(request.lease_ids))
 
-    @errors.unary
+    @rpc.unary
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext):
         spec = self.encoder.spec
         return pb.ServiceInfo(

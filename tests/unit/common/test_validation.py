@@ -6,7 +6,7 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.common.qos import QosLevel, parse_qos, qos_from_metadata
-from services.common.sampling import check_sampling
+from services.common.validation import check_sampling
 from services.model.checkpoint import canonical_key
 from vlmesh.v1 import common_pb2 as pb
 
@@ -58,3 +58,17 @@ def test_qos_levels():
 )
 def test_checkpoint_key_layouts(key, expected):
     assert canonical_key(key) == expected
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        pb.SamplingParams(),
+        pb.SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, seed=3, stop=["\n", "END"], min_tokens=2),
+        pb.SamplingParams(max_tokens=5, min_tokens=5, ignore_eos=True),
+    ],
+)
+def test_normalised_sampling_survives_forwarding(params):
+    """The gateway forwards `Sampling.to_pb()`: the llm must read back exactly what the gateway checked."""
+    s = check_sampling(params, 512)
+    assert check_sampling(s.to_pb(), 512) == s

@@ -9,6 +9,7 @@ import pytest
 from services.common.errors import ResourceExhausted
 from services.common.flags import add_flags, from_args
 from services.common.qos import QosLevel
+from services.common.timings import Timings
 from services.gateway.admission import Admission
 from services.gateway.config import AdmissionConfig
 
@@ -67,7 +68,7 @@ def test_estimate_counts_only_work_ahead_and_refuses_what_cannot_finish():
     adm = Admission(config([], parallelism=2))
     t = adm.admit(ST, None, 1)
     # 10 + 20 + 30 ms of stages, decode 5 ms per token after the first (21 tokens: 100 ms)
-    adm.finish(t, {"preprocess": 10, "vision": 20, "prefill": 30, "decode": 100}, output_tokens=21)
+    adm.finish(t, Timings(preprocess=0.010, vision=0.020, prefill=0.030, decode=0.100), output_tokens=21)
     assert adm.estimate_s(ST, 10)[0] == pytest.approx(0.06 + 0.05)
     held = [adm.admit(BE, None, 1) for _ in range(4)]
     assert adm.estimate_s(RT, 10)[0] == pytest.approx(0.11)  # best-effort work is not ahead of realtime

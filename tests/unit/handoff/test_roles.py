@@ -90,7 +90,7 @@ def test_roundtrip_through_the_roles(producer, consumer, accept, expected):
         assert torch.equal(t, f)
     assert handoffs(pb.Transport.Name(expected)) == (before[0] + 3, before[1] + 3 * TOKENS * HIDDEN * 4)
     assert opened.in_place == []  # copies: their leases may go at once
-    assert opened.lease_hooks() is None
+    assert opened.hold() is None
     opened.verify()  # nothing read in place, nothing to check
     # A copy does not change when its slot goes back and is written again.
     assert producer.release([r.lease.id for r in refs]) == (3 if expected == SHM else 0)
@@ -187,7 +187,7 @@ def test_copies_are_released_at_once_through_the_consumer(producer):
         opened = consumer.open(refs)
 
         async def main() -> None:
-            assert opened.lease_hooks() is None
+            assert opened.hold() is None
             opened.release_rest()
             await asyncio.sleep(0.05)
 
@@ -230,9 +230,9 @@ def test_in_place_leases_are_held_until_the_reader_releases_them():
     assert opened.in_place == [held]
 
     async def main() -> None:
-        hooks = opened.lease_hooks()
-        assert hooks is not None
-        verify, release = hooks
+        held = opened.hold()
+        assert held is not None
+        verify, release = held.verify, held.release
         opened.release_rest()  # the copy goes now, the in-place one stays with the reader
         await asyncio.sleep(0.05)
         assert vision.calls == [[12]]
