@@ -9,9 +9,7 @@ import pytest
 
 from services.launcher import Mesh
 
-# `settle` is unused here: re-exported (with `mesh_options`) for tests/gpu/test_cuda_ipc.py, which
-# still imports them from tests.conftest. Drop it once that file imports from tests.helpers.
-from tests.helpers import mesh_options, settle  # noqa: F401
+from tests.helpers import mesh_options
 
 
 def pytest_collection_modifyitems(config, items):

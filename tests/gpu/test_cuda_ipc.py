@@ -17,7 +17,7 @@ from services.common.errors import FailedPrecondition, Unavailable
 from services.handoff.consumer import Consumer
 from services.handoff.peer import call, connect, sha256, write
 from services.launcher import Mesh
-from tests.conftest import mesh_options, settle
+from tests.helpers import demo_answers, mesh_options, settle
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc, llm_pb2, llm_pb2_grpc, vision_pb2, vision_pb2_grpc
 
@@ -160,7 +160,6 @@ def test_dead_producer_gives_unavailable(tmp_path):
 
 def test_mesh_on_gpu_uses_cuda_ipc_and_answers_like_the_cpu(tmp_path):
     """The demo model through the GPU mesh (CUDA IPC hand-off) gives the CPU engine's answers."""
-    from tests.unit.test_engine import demo_answers
 
     demo = ROOT / "models" / "demo"
     pics, jobs, expected = demo_answers(31337, 24)

@@ -10,13 +10,6 @@ from tests.helpers import ROOT
 HELPERS = "tests.helpers"
 MAX_SERVICE_LINES = 300
 
-# Imports of other test modules that their owners have yet to move to tests.helpers:
-# (file relative to the repository root, imported module). Delete an entry once the file is fixed;
-# test_no_stale_exemptions fails on entries that no longer match anything.
-PENDING: set[tuple[str, str]] = {
-    ("tests/gpu/test_cuda_ipc.py", "tests.conftest"),
-    ("tests/gpu/test_cuda_ipc.py", "tests.unit.test_engine"),
-}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -83,16 +76,10 @@ def oversized(root: Path, limit: int) -> list[tuple[str, int]]:
 
 
 def test_test_modules_import_only_the_helpers():
-    bad = [(f, line, m) for f, line, m in cross_imports(ROOT) if (f, m) not in PENDING]
+    bad = cross_imports(ROOT)
     assert not bad, "test modules import other test modules; move what they share to tests/helpers.py:\n" + "\n".join(
         f"  {f}:{line}: {m}" for f, line, m in bad
     )
-
-
-def test_no_stale_exemptions():
-    live = {(f, m) for f, _, m in cross_imports(ROOT)}
-    stale = sorted(PENDING - live)
-    assert not stale, f"these imports are gone; delete them from PENDING in {__name__}: {stale}"
 
 
 def test_service_modules_stay_small():
