@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 from services.launcher import Mesh
-
 from tests.helpers import mesh_options
 
 
