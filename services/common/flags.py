@@ -191,3 +191,13 @@ def to_argv(cfg: Any) -> list[str]:
             spec: Flag = f.metadata[_FLAG]
             argv += [spec.name, spec.format(value)]
     return argv
+
+
+def parse_config(cls: type, argv: list[str] | None = None) -> Any:
+    """`vlmesh serve NAME`'s flags -> a checked config; the parser's prog and description are the
+    class's PROG and DESCRIPTION. ValueError (from `check()`) names the flag at fault."""
+    parser = argparse.ArgumentParser(prog=cls.PROG, description=cls.DESCRIPTION)
+    add_flags(parser, cls)
+    cfg = from_args(cls, parser.parse_args(argv))
+    cfg.check()
+    return cfg

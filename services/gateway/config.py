@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 
 from services.common.config import DEFAULT_HOST, LLM_MAX_BATCH, MESH_METRICS_PORTS, MESH_PORTS, ServerConfig
-from services.common.flags import add_flags, flag, from_args, nested
+from services.common.flags import flag, nested, parse_config
 from services.common.qos import QosLevel, parse_qos
 
 DEFAULT_PORT = MESH_PORTS["gateway"]
@@ -126,6 +125,11 @@ class AdmissionConfig:
 @dataclass(frozen=True, kw_only=True)
 class GatewayConfig:
     FLAGS_TITLE = "gateway"
+    PROG = "vlmesh serve gateway"
+    DESCRIPTION = (
+        "The public API (vlmesh.v1.Gateway): validates requests and the qos-level, calls "
+        "vision.Encode, then streams llm.Generate back to the client."
+    )
 
     server: ServerConfig = nested(ServerConfig, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
     vision_target: str = flag(
@@ -151,17 +155,5 @@ class GatewayConfig:
                 raise ValueError(f"{flag_name} {target!r} must be HOST:PORT (or unix:PATH)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vlmesh serve gateway",
-        description="The public API (vlmesh.v1.Gateway): validates requests and the qos-level, calls "
-        "vision.Encode, then streams llm.Generate back to the client.",
-    )
-    add_flags(p, GatewayConfig)
-    return p
-
-
 def parse(argv: list[str] | None = None) -> GatewayConfig:
-    cfg = from_args(GatewayConfig, build_parser().parse_args(argv))
-    cfg.check()
-    return cfg
+    return parse_config(GatewayConfig, argv)

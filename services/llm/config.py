@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 from dataclasses import dataclass
 
 from services.common.config import LLM_MAX_BATCH, MESH_METRICS_PORTS, MESH_PORTS, ModelConfig, ServerConfig
-from services.common.flags import add_flags, flag, from_args, nested
+from services.common.flags import flag, nested, parse_config
 
 DEFAULT_PORT = MESH_PORTS["llm"]
 DEFAULT_METRICS_PORT = MESH_METRICS_PORTS["llm"]
@@ -18,6 +17,11 @@ ENGINES = ("native", "vllm")
 @dataclass(frozen=True, kw_only=True)
 class LlmConfig:
     FLAGS_TITLE = "llm"
+    PROG = "vlmesh serve llm"
+    DESCRIPTION = (
+        "The llm decoder: applies the chat template, reads image features through their "
+        "TensorRefs, and streams tokens with continuous batching in QoS order."
+    )
 
     server: ServerConfig = nested(ServerConfig, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
     model: ModelConfig = nested(ModelConfig)
@@ -70,17 +74,5 @@ class LlmConfig:
             raise ValueError("; ".join(problems))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vlmesh serve llm",
-        description="The llm decoder: applies the chat template, reads image features through their "
-        "TensorRefs, and streams tokens with continuous batching in QoS order.",
-    )
-    add_flags(p, LlmConfig)
-    return p
-
-
 def parse(argv: list[str] | None = None) -> LlmConfig:
-    cfg = from_args(LlmConfig, build_parser().parse_args(argv))
-    cfg.check()
-    return cfg
+    return parse_config(LlmConfig, argv)

@@ -22,50 +22,40 @@ ROOT = Path(__file__).resolve().parents[2]
 PRESET_PREFIX = "preset:"
 MARKER = "RANDOM_WEIGHTS"
 
-PRESETS: dict[str, dict] = {
+# The fields a preset sets, in the order its numbers are written below.
+VISION_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "image_size",
+    "patch_size",
+    "projection_dim",
+)
+TEXT_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
+def _preset(vision: tuple[int, ...], text: tuple[int, ...]) -> dict[str, dict[str, int]]:
+    return {
+        "vision": dict(zip(VISION_FIELDS, vision, strict=True)),
+        "text": dict(zip(TEXT_FIELDS, text, strict=True)),
+    }
+
+
+PRESETS: dict[str, dict[str, dict[str, int]]] = {
     # CLIP ViT-L/14 @ 336 (576 image tokens), 2-layer MLP projector 1024 -> 4096,
     # Llama-2-7B shape (32 layers, 4096 wide, 11008 MLP, 32 heads).
-    "llava-7b-shaped": {
-        "vision": dict(
-            hidden_size=1024,
-            intermediate_size=4096,
-            num_hidden_layers=24,
-            num_attention_heads=16,
-            image_size=336,
-            patch_size=14,
-            projection_dim=768,
-        ),
-        "text": dict(
-            hidden_size=4096,
-            intermediate_size=11008,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=32,
-            vocab_size=32000,
-            max_position_embeddings=4096,
-        ),
-    },
+    "llava-7b-shaped": _preset((1024, 4096, 24, 16, 336, 14, 768), (4096, 11008, 32, 32, 32, 32000, 4096)),
     # The same structure at toy size, for tests on the CPU.
-    "tiny-shaped": {
-        "vision": dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            image_size=56,
-            patch_size=14,
-            projection_dim=64,
-        ),
-        "text": dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            vocab_size=512,
-            max_position_embeddings=512,
-        ),
-    },
+    "tiny-shaped": _preset((64, 128, 3, 4, 56, 14, 64), (64, 128, 2, 4, 4, 512, 512)),
 }
 
 

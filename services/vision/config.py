@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from services.common.config import MESH_METRICS_PORTS, MESH_PORTS, READY_SIGNALS, ModelConfig, ServerConfig
-from services.common.flags import add_flags, flag, from_args, nested
+from services.common.flags import flag, nested, parse_config
 
 DEFAULT_PORT = MESH_PORTS["vision"]
 DEFAULT_METRICS_PORT = MESH_METRICS_PORTS["vision"]
@@ -16,6 +15,11 @@ DEFAULT_MAX_BATCH = 4
 @dataclass(frozen=True, kw_only=True)
 class VisionConfig:
     FLAGS_TITLE = "vision"
+    PROG = "vlmesh serve vision"
+    DESCRIPTION = (
+        "The vision encoder: decodes and preprocesses images, runs the ViT and projector in "
+        "batches, and leases the features to the llm through a shared-memory arena."
+    )
 
     server: ServerConfig = nested(ServerConfig, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
     model: ModelConfig = nested(ModelConfig)
@@ -60,17 +64,5 @@ class VisionConfig:
             raise ValueError("; ".join(problems))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vlmesh serve vision",
-        description="The vision encoder: decodes and preprocesses images, runs the ViT and projector in "
-        "batches, and leases the features to the llm through a shared-memory arena.",
-    )
-    add_flags(p, VisionConfig)
-    return p
-
-
 def parse(argv: list[str] | None = None) -> VisionConfig:
-    cfg = from_args(VisionConfig, build_parser().parse_args(argv))
-    cfg.check()
-    return cfg
+    return parse_config(VisionConfig, argv)
