@@ -48,9 +48,10 @@ class LlmConfig:
     vllm_kv_cache_gib: float = flag(
         "--vllm-kv-cache-gib",
         default=0.0,
-        help="GiB of KV cache for --llm-engine vllm; 0 sizes vLLM's KV space from this config: "
-        "--max-llm-batch x the model's context. On a CPU host it sets VLLM_CPU_KVCACHE_SPACE "
-        "(default %(default)s)",
+        help="GiB of KV cache for --llm-engine vllm; 0 sizes it from this config: --max-llm-batch "
+        "sequences of the model's whole context (vLLM's own default reserves most of the device, or "
+        "on a CPU host most of the memory node, and refuses to start when that is not free). "
+        "vLLM's VLLM_CPU_KVCACHE_SPACE, when set, wins (default %(default)s)",
     )
 
     def check(self) -> None:

@@ -29,11 +29,11 @@ from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
-# One engine process and a small KV cache: vLLM starts in seconds (see the vLLM engine issue).
+# One engine process: vLLM starts in seconds. The KV space is the engine's own sizing (batch x
+# context), not an override: on a 2-core, 24 GiB host vLLM's default (most of the memory node) fails.
 VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CACHE_ROOT": str(ROOT / ".cache" / "vllm"),
 }
 EMBEDS = 'vlmesh_handoffs_total{transport="VLLM_PROMPT_EMBEDS"}'
