@@ -7,11 +7,14 @@ use them, so importing this module (conftest does, for every test) stays cheap.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import os
 import threading
 import time
 import urllib.request
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,9 +26,10 @@ from PIL import Image
 from services.common.qos import QosLevel
 from services.launcher import MeshOptions
 from vlmesh.v1 import common_pb2 as pb
-from vlmesh.v1 import gateway_pb2
+from vlmesh.v1 import gateway_pb2, vision_pb2, vision_pb2_grpc
 
 if TYPE_CHECKING:
+    from services.handoff.producer import Producer
     from services.llm.request import Request
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,6 +93,76 @@ def serving(mesh) -> bool:
             if resp.status != health_pb2.HealthCheckResponse.SERVING:
                 return False
     return True
+
+
+# --- servers in this process --------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def local_server(add: Callable[[object, grpc.aio.Server], None], servicer: object) -> AsyncIterator[str]:
+    """A grpc.aio server on 127.0.0.1 and a port the kernel picks, serving `servicer`; yields its target.
+
+    `add` is the generated registration, e.g. `vision_pb2_grpc.add_VisionServicer_to_server`.
+    Port sharing is off, so the port is this server's alone (see ARCHITECTURE.md's pitfalls).
+    """
+    from services.common.server import GRPC_OPTIONS
+
+    server = grpc.aio.server(options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)])
+    add(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    assert port, "could not bind 127.0.0.1:0"
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    """Poll `check` on the running loop until it holds (True) or `timeout_s` passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+class FakeVision(vision_pb2_grpc.VisionServicer):
+    """The vision service's gRPC face without a model, for testing its callers (gateway, llm).
+
+    Encode records the request and its metadata, then answers `encoded` (or aborts with
+    `encode_error`, a (code, details) pair). Release records the lease ids once it has
+    handed them to `producer` (when given), after `release_delay_s`: a slow release shows
+    whether a caller waits for it.
+    """
+
+    def __init__(
+        self,
+        encoded: vision_pb2.EncodeResponse | None = None,
+        producer: Producer | None = None,
+        release_delay_s: float = 0.0,
+        encode_error: tuple[grpc.StatusCode, str] | None = None,
+    ) -> None:
+        self.encoded = encoded or vision_pb2.EncodeResponse()
+        self.producer = producer
+        self.release_delay_s = release_delay_s
+        self.encode_error = encode_error
+        self.encodes: list[tuple[vision_pb2.EncodeRequest, dict[str, str]]] = []
+        self.releases: list[list[int]] = []
+
+    async def Encode(self, request, context):
+        self.encodes.append((request, dict(context.invocation_metadata())))
+        if self.encode_error is not None:
+            await context.abort(*self.encode_error)
+        return self.encoded
+
+    async def Release(self, request, context):
+        await asyncio.sleep(self.release_delay_s)
+        ids = list(request.lease_ids)
+        released = self.producer.release(ids) if self.producer is not None else len(ids)
+        self.releases.append(ids)
+        return vision_pb2.ReleaseResponse(released=released)
 
 
 # --- metrics -------------------------------------------------------------------------------
@@ -261,18 +335,28 @@ def demo_answers(seed: int, n: int, max_tokens: int = 8) -> tuple[list, list[tup
     """n pictures of the demo task, their (PNG, prompt) jobs, and the native CPU engine's answers.
 
     The reference for the tests that run the same jobs through another path (vLLM, the GPU mesh).
+    The jobs go through the in-process pipeline (services/pipeline.py), one after another, greedy.
     """
+    from services.common.validation import check_sampling
+    from services.llm.request import Finish
     from services.model import shapes
+    from services.pipeline import Pipeline
 
     pics = [shapes.render(np.random.default_rng([seed, i])) for i in range(n)]
     jobs = [(shapes.encode(p.image, "PNG"), list(shapes.PROMPTS)[i % len(shapes.PROMPTS)]) for i, p in enumerate(pics)]
-    native = Parts(ROOT / "models" / "demo", max_batch=8)
-    try:
-        answers = []
-        for data, prompt in jobs:
-            pair = native.request(data, prompt, max_tokens=max_tokens)
-            native.run(pair)
-            answers.append(pair[1]["text"])
-    finally:
-        native.engine.stop()
-    return pics, jobs, answers
+
+    async def answer() -> list[str]:
+        pipeline = Pipeline(str(ROOT / "models" / "demo"), device="cpu", dtype="float32", max_llm_batch=8)
+        try:
+            sampling = check_sampling(pb.SamplingParams(max_tokens=max_tokens), pipeline.max_context)
+            answers = []
+            for i, (data, prompt) in enumerate(jobs):
+                run = await pipeline.submit(data, prompt, sampling, request_id=f"demo-{i}")
+                outs = [out async for out in run.outputs()]
+                assert outs[-1].finish in (Finish.LENGTH, Finish.STOP), f"job {i}: {outs[-1]}"
+                answers.append("".join(out.text for out in outs))
+            return answers
+        finally:
+            await pipeline.close()
+
+    return pics, jobs, asyncio.run(answer())

@@ -11,7 +11,6 @@ HELPERS = "tests.helpers"
 MAX_SERVICE_LINES = 300
 
 
-
 def module_name(path: Path, root: Path) -> str:
     """`tests/unit/llm/test_engine.py` -> `tests.unit.llm.test_engine` (a package's `__init__` -> the package)."""
     parts = list(path.relative_to(root).with_suffix("").parts)

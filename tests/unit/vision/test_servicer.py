@@ -1,0 +1,183 @@
+"""The vision servicer in this process: the tiny model's encoder and batcher, a real CPU Producer, a real
+grpc.aio server on a local port, and a Consumer opening what Encode exported."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+import torch
+
+from services.common.errors import FailedPrecondition
+from services.handoff.consumer import Consumer
+from services.handoff.producer import Producer
+from services.model.spec import load_spec
+from services.vision.batcher import VisionBatcher
+from services.vision.encoder import VisionEncoder
+from services.vision.servicer import VisionServicer
+from tests.helpers import image_bytes, local_server
+from vlmesh.v1 import common_pb2 as pb
+from vlmesh.v1 import vision_pb2, vision_pb2_grpc
+
+SHM, INLINE = pb.TRANSPORT_SHM, pb.TRANSPORT_INLINE
+SLOTS = 4
+PICTURES = [image_bytes(11, (48, 40), "PNG"), image_bytes(12, (64, 96), "JPEG")]
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_model):
+    return VisionEncoder(load_spec(tiny_model), "cpu", "float32")
+
+
+@pytest.fixture
+def producer(encoder):
+    p = Producer(slot_bytes=encoder.feature_bytes, n_slots=SLOTS, ttl_s=30, device=torch.device("cpu"), ready="sync")
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def consumer():
+    c = Consumer()
+    yield c
+    c.close()
+
+
+def reference(encoder: VisionEncoder, data: bytes) -> torch.Tensor:
+    """The features of one picture encoded alone, without the service: [image_tokens, H]."""
+    return encoder.encode(encoder.pixels(data)[None])[0]
+
+
+def me(consumer: Consumer, accept=None) -> pb.ConsumerInfo:
+    return pb.ConsumerInfo(host_id=consumer.host, gpu_uuid=consumer.gpu_uuid, accept=accept or consumer.transports)
+
+
+@contextlib.asynccontextmanager
+async def vision_service(encoder: VisionEncoder, producer: Producer):
+    """A stub of the real VisionServicer on a local port (batcher started on this loop, stopped after)."""
+    batcher = VisionBatcher(encoder, max_batch=4)
+    batcher.start()
+    servicer = VisionServicer(encoder, batcher, producer, workers=1)
+    try:
+        async with local_server(vision_pb2_grpc.add_VisionServicer_to_server, servicer) as target:
+            async with grpc.aio.insecure_channel(target) as channel:
+                yield vision_pb2_grpc.VisionStub(channel)
+    finally:
+        await batcher.stop()
+        servicer.close()
+
+
+def encode_request(consumer_info: pb.ConsumerInfo, pictures=PICTURES) -> vision_pb2.EncodeRequest:
+    return vision_pb2.EncodeRequest(
+        request_id="v-1", images=[pb.Image(data=d) for d in pictures], consumer=consumer_info
+    )
+
+
+def test_encode_exports_each_picture_s_features_into_leased_slots(encoder, producer, consumer):
+    async def main():
+        async with vision_service(encoder, producer) as stub:
+            resp = await stub.Encode(encode_request(me(consumer)), metadata=(("qos-level", "realtime"),), timeout=30)
+            assert producer.leased == 2
+            opened = consumer.open(resp.features, shape=(encoder.spec.image_tokens, encoder.spec.text.hidden))
+            ids = [r.lease.id for r in resp.features]
+            released = await stub.Release(vision_pb2.ReleaseRequest(lease_ids=ids), timeout=5)
+            again = await stub.Release(vision_pb2.ReleaseRequest(lease_ids=ids), timeout=5)
+            return resp, opened.tensors, released.released, again.released
+
+    resp, tensors, released, again = asyncio.run(main())
+    refs = resp.features
+    assert [r.transport for r in refs] == [SHM, SHM]
+    assert [list(r.shape) for r in refs] == [[encoder.spec.image_tokens, encoder.spec.text.hidden]] * 2
+    assert all(r.dtype == pb.DTYPE_FLOAT32 and r.lease.id for r in refs)
+    assert refs[0].lease.id != refs[1].lease.id
+    expected = [reference(encoder, d) for d in PICTURES]
+    assert not torch.allclose(expected[0], expected[1])  # so the order below is checked
+    for got, want in zip(tensors, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    t = resp.timings
+    assert t.preprocess_ms > 0 and t.vision_ms > 0 and t.handoff_ms > 0 and t.vision_queue_ms >= 0
+    assert t.llm_queue_ms == t.prefill_ms == t.decode_ms == t.admission_ms == t.total_ms == 0
+    assert (released, again) == (2, 0)
+    assert producer.leased == 0
+    with pytest.raises(FailedPrecondition, match="stale"):
+        consumer.open(refs[:1])
+
+
+def test_a_consumer_on_another_host_gets_inline_bytes(encoder, producer, consumer):
+    elsewhere = pb.ConsumerInfo(host_id="another-host/0000", accept=[SHM, INLINE])
+
+    async def main():
+        async with vision_service(encoder, producer) as stub:
+            return await stub.Encode(encode_request(elsewhere, PICTURES[:1]), timeout=30)
+
+    resp = asyncio.run(main())
+    (ref,) = resp.features
+    assert ref.transport == INLINE and ref.inline_data and not ref.lease.id
+    assert producer.leased == 0
+    torch.testing.assert_close(consumer.open([ref]).tensors[0], reference(encoder, PICTURES[0]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "case,details",
+    [
+        ("no-images", "one image is required"),
+        ("not-a-picture", "is not a readable image"),
+        ("no-common-transport", "no common transport"),
+        ("unknown-qos", "unknown qos-level 'urgent'"),
+    ],
+)
+def test_bad_requests_are_invalid_argument_and_lease_nothing(encoder, producer, consumer, case, details):
+    request = encode_request(me(consumer))
+    metadata = ()
+    if case == "no-images":
+        del request.images[:]
+    elif case == "not-a-picture":
+        request.images[1].data = b"\x89PNG but not really"
+    elif case == "no-common-transport":
+        request.consumer.CopyFrom(pb.ConsumerInfo(host_id="another-host/0000", accept=[SHM]))
+    else:
+        metadata = (("qos-level", "urgent"),)
+
+    async def main():
+        async with vision_service(encoder, producer) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Encode(request, metadata=metadata, timeout=30)
+            return err.value
+
+    err = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert details in err.details()
+    assert producer.leased == 0
+
+
+def test_a_full_arena_is_resource_exhausted_and_keeps_no_slot(encoder, producer, consumer):
+    """More pictures than slots: RESOURCE_EXHAUSTED, the slots already written go back, the next request fits."""
+    many = [image_bytes(20 + i) for i in range(SLOTS + 1)]
+
+    async def main():
+        async with vision_service(encoder, producer) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Encode(encode_request(me(consumer), many), timeout=30)
+            assert producer.leased == 0
+            ok = await stub.Encode(encode_request(me(consumer), many[:SLOTS]), timeout=30)
+            return err.value, ok
+
+    err, ok = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "arena full" in err.details()
+    assert len(ok.features) == SLOTS and producer.leased == SLOTS
+
+
+def test_info_names_the_model_and_the_transports(encoder, producer):
+    async def main():
+        async with vision_service(encoder, producer) as stub:
+            return await stub.Info(pb.InfoRequest(), timeout=5)
+
+    info = asyncio.run(main())
+    assert info.service == "vision"
+    assert info.model_id == encoder.spec.model_id
+    assert info.host_id == producer.host and info.gpu_uuid == ""
+    assert list(info.transports) == [SHM, INLINE]
+    assert info.image_tokens == encoder.spec.image_tokens
