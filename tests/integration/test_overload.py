@@ -8,19 +8,22 @@ best-effort absorbs the most refusals, and refusals come back at once.
 
 from __future__ import annotations
 
-import asyncio
-from pathlib import Path
+import json
+import subprocess
+import sys
 
-from bench.overload import build_parser, report, run
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT
 
 
-def test_realtime_keeps_its_latency_at_three_times_capacity():
+def test_realtime_keeps_its_latency_at_three_times_capacity(tmp_path):
+    """Runs the benchmark as its users do (tests and bench/ never import each other)."""
     profile = ["--max-in-flight", "realtime=24,standard=4,best-effort=2"]
-    args = build_parser().parse_args(["--model", str(ROOT / "models" / "demo"), "--duration", "30", "--", *profile])
-    result = asyncio.run(run(args))
-    print(report(result))
+    out = tmp_path / "overload.json"
+    cmd = [sys.executable, "-m", "bench.overload", "--model", str(ROOT / "models" / "demo"), "--duration", "30"]
+    run = subprocess.run([*cmd, "--out", str(out), "--", *profile], cwd=ROOT, capture_output=True, text=True)
+    print(run.stdout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
     classes = result["overload"]
     for level, c in classes.items():
         assert c["other"] == {}, f"{level}: statuses other than OK and RESOURCE_EXHAUSTED: {c['other']}"
