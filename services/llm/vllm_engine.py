@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 TRANSPORT = "VLLM_PROMPT_EMBEDS"
 FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
+# On vLLM's CPU backend a tiny test model (head_dim 32) needs about 4/3 of our count per token.
+KV_HEADROOM_BYTES = 64 * 2**20
 
 
 def export_text_model(spec: LlavaSpec, dtype: torch.dtype, root: Path = Path(".cache/vllm-text")) -> Path:
@@ -143,7 +145,10 @@ class VllmEngine:
         self.spec, self.dtype, self.max_batch = spec, dtype, max_batch
         self.prompts, self.default_max_tokens = prompts, default_max_tokens
         self.device = torch.device("cpu")  # features are imported to the host: prompt_embeds are copied anyway
-        kv_bytes = math.ceil(kv_cache_gib * 2**30) if kv_cache_gib > 0 else kv_cache_bytes(spec, dtype, max_batch)
+        if kv_cache_gib > 0:
+            kv_bytes = math.ceil(kv_cache_gib * 2**30)
+        else:  # vLLM lays the cache out in blocks and pads small heads: a little headroom on top
+            kv_bytes = kv_cache_bytes(spec, dtype, max_batch) + KV_HEADROOM_BYTES
         text_dir = export_text_model(spec, dtype)
         with safe_open(str(text_dir / "model.safetensors"), framework="pt") as f:
             self.embed_table = f.get_tensor("model.embed_tokens.weight")  # [vocab, H], for prompt_embeds
