@@ -1,8 +1,21 @@
-"""The `vlmesh` command."""
+"""The `vlmesh` command.
+
+A bad argument exits 2 with one line on stderr, `vlmesh COMMAND: error: ...`; so does an error
+the command knows (a bad checkpoint, a refused request), never a traceback.
+"""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = ("up", "demo", "generate", "bench", "serve", "make-tiny-model")
+SERVICES = {
+    "gateway": "the public API (vlmesh.v1.Gateway): checks each request, calls vision, streams the llm's answer",
+    "vision": "the vision encoder: decodes images, runs the ViT and projector, leases the features to the llm",
+    "llm": "the decoder: applies the chat template and decodes with continuous batching in QoS order",
+}
 
 USAGE = """usage: vlmesh COMMAND [options]
 
@@ -15,19 +28,80 @@ commands:
   make-tiny-model DIR
               write a tiny random-weight LLaVA checkpoint (for tests and trials)
 
-`vlmesh COMMAND --help` explains each command's options.
+`vlmesh COMMAND --help` explains each command's options; `vlmesh --version` prints the version.
 """
 
+SERVE_USAGE = (
+    "usage: vlmesh serve NAME [options]\n\n"
+    "Run one service of the mesh in the foreground (`vlmesh up` starts all three):\n"
+    + "".join(f"  {name:<8} {line}\n" for name, line in SERVICES.items())
+    + "\n`vlmesh serve NAME --help` lists NAME's flags.\n"
+)
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if not args or args[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if args else 2
-    cmd, rest = args[0], args[1:]
+
+def version() -> str:
+    """The installed package's version, else the one pyproject.toml declares."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vlmesh")
+    except metadata.PackageNotFoundError:
+        import tomllib
+
+        try:
+            return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown"
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+    """The value of `name` in argv (`--model X` or `--model=X`), the last one winning, as argparse does."""
+    found = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith(name + "="):
+            found = arg.partition("=")[2]
+    return found
+
+
+def _check_model(argv: list[str], service: str) -> None:
+    """Before a service loads anything: a local --model's files (config, tokenizer, whole weights)."""
+    model = _flag_value(argv, "--model")
+    if model is None or model.startswith("preset:") or not Path(model).is_dir():
+        return  # the service's own parser or loader reports what is wrong
+    from services.model.files import check_checkpoint
+
+    check_checkpoint(model, weights=True, tokenizer=service == "llm")
+
+
+def serve(rest: list[str]) -> int:
+    if not rest or rest[0] in ("-h", "--help"):
+        if rest:
+            print(SERVE_USAGE, end="")
+            return 0
+        print("vlmesh serve: error: name a service: gateway, vision or llm (vlmesh serve --help)", file=sys.stderr)
+        return 2
+    name, argv = rest[0], rest[1:]
+    if name not in SERVICES:
+        print(
+            f"vlmesh serve: error: unknown service {name!r}: use gateway, vision or llm "
+            "(vlmesh serve --help describes them)",
+            file=sys.stderr,
+        )
+        return 2
+    if name != "gateway" and not {"-h", "--help"} & set(argv):
+        _check_model(argv, name)
+    module = __import__(f"services.{name}.server", fromlist=["main"])
+    return module.main(argv)
+
+
+def dispatch(cmd: str, rest: list[str]) -> int:
     if cmd == "up":
         from services.launcher import up
 
+        if not {"-h", "--help"} & set(rest):
+            _check_model(rest, "llm")  # a broken checkpoint: one line now, not two dead children later
         return up(rest)
     if cmd == "demo":
         from services.demo import main as demo
@@ -42,22 +116,62 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench(rest)
     if cmd == "serve":
-        services = {"gateway", "vision", "llm"}
-        if not rest or rest[0] not in services:
-            print("usage: vlmesh serve {gateway,vision,llm} [options]", file=sys.stderr)
-            return 2
-        module = __import__(f"services.{rest[0]}.server", fromlist=["main"])
-        return module.main(rest[1:])
-    if cmd == "make-tiny-model":
-        if len(rest) != 1 or rest[0].startswith("-"):
-            print("usage: vlmesh make-tiny-model DIR", file=sys.stderr)
-            return 2
-        from services.model.tiny import build_tiny_llava
-
-        print(build_tiny_llava(rest[0]))
+        return serve(rest)
+    if rest in (["-h"], ["--help"]):
+        print("usage: vlmesh make-tiny-model DIR\n\nWrite a tiny random-weight LLaVA checkpoint to DIR.")
         return 0
-    print(f"vlmesh: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+    if len(rest) != 1 or rest[0].startswith("-"):
+        print("vlmesh make-tiny-model: error: give one directory: vlmesh make-tiny-model DIR", file=sys.stderr)
+        return 2
+    from services.model.tiny import build_tiny_llava
+
+    print(build_tiny_llava(rest[0]))
+    return 0
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line: a mesh error's text, an OSError's `file: reason`."""
+    if isinstance(err, OSError) and err.strerror:
+        text = f"{err.filename}: {err.strerror}" if err.filename else err.strerror
+    else:
+        text = getattr(err, "message", None) or str(err) or type(err).__name__
+    return " ".join(str(text).split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    if args[0] == "--version":
+        print(f"vlmesh {version()}")
+        return 0
+    cmd, rest = args[0], args[1:]
+    if cmd not in COMMANDS:
+        print(f"vlmesh: error: unknown command {cmd!r}: use {', '.join(COMMANDS)} (vlmesh --help)", file=sys.stderr)
+        return 2
+    prog = f"vlmesh {cmd}" + (f" {rest[0]}" if cmd == "serve" and rest and rest[0] in SERVICES else "")
+    import grpc
+
+    from services.common.errors import InvalidArgument, MeshError
+
+    try:
+        return dispatch(cmd, rest)
+    except grpc.RpcError as err:  # generate: the gateway refused or failed
+        code = err.code() if hasattr(err, "code") else None
+        details = err.details() if hasattr(err, "details") else str(err)
+        details = " ".join(str(details).split())
+        print(f"{prog}: error: {getattr(code, 'name', 'UNKNOWN')}: {details}", file=sys.stderr)
+        return 2 if code == grpc.StatusCode.INVALID_ARGUMENT else 1
+    except (InvalidArgument, ValueError) as err:
+        print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except (MeshError, OSError) as err:
+        print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import mimetypes
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,20 @@ import grpc
 
 from services.common.qos import QOS_METADATA_KEY, QosLevel
 from services.common.server import GRPC_OPTIONS
+from services.common.validation import (
+    API_KEY_ENV,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    UINT32_MAX,
+    UINT64_MAX,
+    CliParser,
+    api_key,
+    api_key_metadata,
+    float_in,
+    int_in,
+    prompt_text,
+    stop_text,
+)
 from services.gateway.config import DEFAULT_TARGET
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
@@ -26,6 +41,21 @@ STAGES = (
     ("prefill", "prefill_ms"),
     ("decode", "decode_ms"),
 )
+
+
+def image_file(text: str) -> Path:
+    """An argparse `type=` for --image: a file that exists (read when the request is built)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory: give one image file (JPEG, PNG, WebP, ...)")
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return path
+
+
+def call_metadata(qos: str, key: str | None) -> tuple[tuple[str, str], ...]:
+    """The qos-level, and the API key as `authorization: Bearer KEY` when there is one."""
+    return ((QOS_METADATA_KEY, qos), *api_key_metadata(key))
 
 
 def build_request(
@@ -61,13 +91,18 @@ def format_timings(t: pb.StageTimings) -> str:
 
 
 def generate(
-    target: str, request: gateway_pb2.GenerateRequest, qos: str, timeout: float | None, out=sys.stdout
+    target: str,
+    request: gateway_pb2.GenerateRequest,
+    qos: str,
+    timeout: float | None,
+    out=sys.stdout,
+    api_key: str | None = None,
 ) -> gateway_pb2.GenerateResponse:
     """Stream one request, writing text as it arrives; return the final message."""
     with grpc.insecure_channel(target, options=GRPC_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         final = None
-        for msg in stub.Generate(request, metadata=((QOS_METADATA_KEY, qos),), timeout=timeout):
+        for msg in stub.Generate(request, metadata=call_metadata(qos, api_key), timeout=timeout):
             out.write(msg.text)
             out.flush()
             final = msg
@@ -75,13 +110,13 @@ def generate(
         return final
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+def build_parser() -> argparse.ArgumentParser:
+    p = CliParser(
         prog="vlmesh generate",
         description="Ask the mesh about one image; tokens stream as they are generated.",
     )
-    p.add_argument("--image", type=Path, required=True, help="image file (JPEG, PNG, WebP, ...)")
-    p.add_argument("--prompt", required=True, help="question or instruction about the image")
+    p.add_argument("--image", type=image_file, required=True, help="image file (JPEG, PNG, WebP, ...)")
+    p.add_argument("--prompt", type=prompt_text, required=True, help="question or instruction about the image")
     p.add_argument("--target", default=DEFAULT_TARGET, help="gateway HOST:PORT (default %(default)s)")
     p.add_argument(
         "--qos-level",
@@ -89,23 +124,56 @@ def main(argv: list[str] | None = None) -> int:
         choices=[q.wire for q in QosLevel],
         help="priority class (default %(default)s)",
     )
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate at most (default: server's)")
-    p.add_argument("--temperature", type=float, default=None, help="0 or unset = greedy")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds (default %(default)s)")
+    p.add_argument(
+        "--api-key",
+        type=api_key,
+        default=os.environ.get(API_KEY_ENV) or None,
+        metavar="KEY",
+        help=f"sent as `authorization: Bearer KEY` (a gateway with --tenants needs one; default: ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int_in(1, UINT32_MAX, "the server also keeps it below the model's context"),
+        default=None,
+        help="tokens to generate at most, >= 1 (default: the server's)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float_in(0.0, MAX_TEMPERATURE, note="0 = greedy"),
+        default=None,
+        help=f"0 to {MAX_TEMPERATURE:g}; 0 or unset = greedy",
+    )
+    p.add_argument("--seed", type=int_in(0, UINT64_MAX), default=None, help="sampling seed, >= 0")
+    p.add_argument(
+        "--stop",
+        type=stop_text,
+        action="append",
+        default=[],
+        help=f"stop string (repeatable, {MAX_STOP_STRINGS} at most)",
+    )
+    p.add_argument(
+        "--timeout", type=float_in(0.0, lo_open=True), default=60.0, help="deadline in seconds (default %(default)s)"
+    )
     p.add_argument("--timings", action="store_true", help="print the per-stage breakdown after the answer")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit 0 on an answer, 2 on a bad argument (before connecting), 1 when the gateway refuses or fails.
+
+    A failed RPC raises grpc.RpcError; `vlmesh` (services/cli.py) prints it on one line.
+    """
+    p = build_parser()
     args = p.parse_args(argv)
-    if not args.image.is_file():
-        p.error(f"--image {args.image}: no such file")
+    if len(args.stop) > MAX_STOP_STRINGS:
+        p.error(f"argument --stop: {len(args.stop)} given, at most {MAX_STOP_STRINGS}")
     request = build_request(args.image, args.prompt, args.max_tokens, args.temperature, args.seed, args.stop)
     start = time.perf_counter()
-    try:
-        final = generate(args.target, request, args.qos_level, args.timeout)
-    except grpc.RpcError as err:
-        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
+    final = generate(args.target, request, args.qos_level, args.timeout, api_key=args.api_key)
     wall = (time.perf_counter() - start) * 1000
+    if final is None:
+        print("vlmesh generate: error: the gateway ended the stream without a final message", file=sys.stderr)
+        return 1
     u = final.usage
     print(
         f"[{pb.FinishReason.Name(final.finish_reason).removeprefix('FINISH_REASON_').lower()}: "

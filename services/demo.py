@@ -7,13 +7,14 @@ generator's ground truth beside the model's answer."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from services.client import build_request, format_timings, generate
+from services.client import build_request, format_timings, generate, image_file
+from services.common.logs import LOG_LEVELS
+from services.common.validation import CliParser, int_in, prompt_text
 from services.launcher import Mesh, MeshError, MeshOptions
 from services.model.shapes import PROMPTS, Picture, render
 
@@ -31,11 +32,13 @@ def sample_picture(path: Path, seed: int) -> Picture:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vlmesh demo", description=__doc__)
-    p.add_argument("--image", type=Path, default=None, help="picture to send (default: a rendered sample)")
-    p.add_argument("--seed", type=int, default=7, help="which sample picture to render (default %(default)s)")
-    p.add_argument("--prompt", default="What is in the image?", help="default: %(default)s")
-    p.add_argument("--log-level", default="warning", help="services' log level (default %(default)s)")
+    p = CliParser(prog="vlmesh demo", description=__doc__)
+    p.add_argument("--image", type=image_file, default=None, help="picture to send (default: a rendered sample)")
+    p.add_argument("--seed", type=int_in(0), default=7, help="which sample picture to render (default %(default)s)")
+    p.add_argument("--prompt", type=prompt_text, default="What is in the image?", help="default: %(default)s")
+    p.add_argument(
+        "--log-level", default="warning", choices=LOG_LEVELS, help="services' log level (default %(default)s)"
+    )
     args = p.parse_args(argv)
 
     def say(msg: str) -> None:

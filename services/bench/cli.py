@@ -20,7 +20,6 @@ at those concurrencies. Each run reports the CPU the servers used (cores, over t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime as dt
 import os
@@ -30,15 +29,12 @@ import sys
 import time
 from pathlib import Path
 
+from services.bench.args import build_parser, config_of, parse_args
 from services.bench.load import run_closed_loop, run_open_loop
 from services.bench.report import compare_seeds, plot, summarize_run, table, write_json
 from services.bench.workloads import WORKLOADS, RequestFactory
 from services.common import eventloop
-from services.common.config import READY_SIGNALS
-from services.llm import config as llm_config
-from services.vision import config as vision_config
 
-TARGETS = ("mesh", "inprocess", "hf", "vllm")
 SAME_ANSWER_CHECKS = 4
 
 
@@ -68,47 +64,6 @@ def environment(model: str, event_loop: str) -> dict:
     }
 
 
-def parse_list(text: str, kind=str) -> list:
-    return [kind(x) for x in text.split(",") if x.strip()]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vlmesh bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--model",
-        default="models/demo",
-        help="checkpoint directory, or preset:llava-7b-shaped for random weights (default %(default)s)",
-    )
-    p.add_argument("--target", default="mesh", help=f"comma list of {', '.join(TARGETS)} (default %(default)s)")
-    p.add_argument("--gateway", default=None, help="HOST:PORT of a running gateway instead of starting a mesh")
-    p.add_argument("--workload", default="W1", help=f"comma list of {', '.join(WORKLOADS)} (default %(default)s)")
-    p.add_argument("--rates", default="2,4,8,16", help="offered req/s, comma list (default %(default)s)")
-    p.add_argument("--duration", type=float, default=20.0, help="seconds per rate (default %(default)s)")
-    p.add_argument("--warmup", type=float, default=3.0, help="seconds left out of the latencies (default %(default)s)")
-    p.add_argument(
-        "--qos-mix", default="0.2,0.6,0.2", help="realtime,standard,best-effort shares (default %(default)s)"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="output directory (default bench-results/DATE)")
-    p.add_argument("--compare-seeds", action="store_true", help="print the write-ups' table beside ours")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-vision-batch", type=int, default=vision_config.DEFAULT_MAX_BATCH)
-    p.add_argument("--max-llm-batch", type=int, default=llm_config.DEFAULT_MAX_BATCH)
-    p.add_argument("--ready-signal", default="sync", choices=READY_SIGNALS, help="CUDA hand-off readiness (mesh)")
-    p.add_argument(
-        "--event-loop",
-        default="auto",
-        choices=eventloop.EVENT_LOOPS,
-        help="asyncio loop of this client, the in-process target and the mesh's servers (default %(default)s)",
-    )
-    p.add_argument("--threads", type=int, default=0, help="torch threads per service (mesh) or in-process")
-    p.add_argument("--closed-loop", default="", help="also run closed loops at these concurrencies, e.g. 1,4,16")
-    return p
-
-
 def server_cpu_s(pids: list[int]) -> float:
     """CPU seconds used so far by these processes and all their children."""
     import psutil
@@ -129,7 +84,7 @@ async def run_target(name: str, args, workloads, rates, qos_mix, tokenizer, endp
     from services.bench.targets import HfTarget, InprocessTarget, MeshTarget
 
     if name == "mesh":
-        target = MeshTarget(endpoints["mesh"])
+        target = MeshTarget(endpoints["mesh"], args.api_key)
     elif name == "vllm":
         from services.bench.peer import VllmTarget
 
@@ -139,7 +94,7 @@ async def run_target(name: str, args, workloads, rates, qos_mix, tokenizer, endp
     else:
         target = HfTarget(args.model, args.device)
     runs, records = [], {}
-    closed = parse_list(args.closed_loop, int)
+    closed = args.closed_loop
     try:
         for wl in workloads:
             factory = RequestFactory(WORKLOADS[wl], tokenizer, args.seed, qos_mix)
@@ -171,12 +126,14 @@ async def run_target(name: str, args, workloads, rates, qos_mix, tokenizer, endp
     return runs, records
 
 
-async def same_answers(endpoints: dict, factory: RequestFactory, n: int) -> list[tuple[str, str]]:
+async def same_answers(
+    endpoints: dict, factory: RequestFactory, n: int, api_key: str | None = None
+) -> list[tuple[str, str]]:
     """The first n requests, one at a time, to the mesh and to the peer: their answers."""
     from services.bench.peer import VllmTarget
     from services.bench.targets import MeshTarget
 
-    mesh, peer = MeshTarget(endpoints["mesh"]), VllmTarget(endpoints["vllm"])
+    mesh, peer = MeshTarget(endpoints["mesh"], api_key), VllmTarget(endpoints["vllm"])
     try:
         pairs = []
         for i in range(n):
@@ -238,30 +195,22 @@ def serve(name: str, args, say):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    targets, workloads = parse_list(args.target), parse_list(args.workload)
-    rates, qos_mix = parse_list(args.rates, float), tuple(parse_list(args.qos_mix, float))
-    bad = [t for t in targets if t not in TARGETS] + [w for w in workloads if w not in WORKLOADS]
-    if bad or not rates or any(r <= 0 for r in rates) or len(qos_mix) != 3 or args.warmup >= args.duration:
-        print(
-            f"vlmesh bench: error: check --target/--workload {bad or ''}, --rates > 0, --qos-mix (3 shares), "
-            "and --warmup < --duration",
-            file=sys.stderr,
-        )
-        return 2
-    from transformers import AutoTokenizer
-
+    parser = build_parser(__doc__)
+    args = parse_args(parser, argv)
+    targets, workloads, rates, qos_mix = args.target, args.workload, args.rates, tuple(args.qos_mix)
+    from services.model.files import check_checkpoint
     from services.model.presets import resolve_model
+    from services.model.prompt import load_tokenizer
 
     args.model = resolve_model(args.model)  # preset:NAME -> its directory, made once
     if not (Path(args.model) / "config.json").is_file():
-        print(f"vlmesh bench: error: --model {args.model}: no config.json", file=sys.stderr)
-        return 2
+        parser.error(f"argument --model: {args.model} is not a checkpoint directory (no config.json)")
+    check_checkpoint(args.model)  # InvalidArgument naming a missing or cut-short file, before anything starts
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = load_tokenizer(Path(args.model))
     out = args.out or Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config = config_of(args)
 
     say = lambda m: print(f"bench: {m}", file=sys.stderr, flush=True)  # noqa: E731
     if "mesh" in targets and "vllm" in targets:
@@ -269,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         with serve("mesh", args, say) as mesh, serve("vllm", args, say) as peer:
             factory = RequestFactory(WORKLOADS[workloads[0]], tokenizer, args.seed, qos_mix)
             pairs = eventloop.run(
-                same_answers({"mesh": mesh[0], "vllm": peer[0]}, factory, SAME_ANSWER_CHECKS), args.event_loop
+                same_answers({"mesh": mesh[0], "vllm": peer[0]}, factory, SAME_ANSWER_CHECKS, args.api_key),
+                args.event_loop,
             )
         config["same_answers"] = pairs
         for ours, theirs in pairs:

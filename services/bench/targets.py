@@ -14,6 +14,7 @@ from services.bench.workloads import BenchRequest
 from services.common.qos import QOS_METADATA_KEY
 from services.common.server import GRPC_OPTIONS
 from services.common.timings import Timings
+from services.common.validation import api_key_metadata
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -50,11 +51,17 @@ def sampling_for(req: BenchRequest) -> pb.SamplingParams:
     return pb.SamplingParams(max_tokens=req.max_tokens, min_tokens=req.max_tokens, ignore_eos=True)
 
 
+def mesh_metadata(qos: str, api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """What each request to the gateway carries: its qos-level, and the API key when there is one."""
+    return ((QOS_METADATA_KEY, qos), *api_key_metadata(api_key))
+
+
 class MeshTarget:
     name = "mesh"
 
-    def __init__(self, gateway: str) -> None:
+    def __init__(self, gateway: str, api_key: str | None = None) -> None:
         self.gateway = gateway
+        self._api_key = api_key  # sent as `authorization: Bearer KEY`; never logged or recorded
         self.channel = grpc.aio.insecure_channel(gateway, options=GRPC_OPTIONS)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
@@ -66,7 +73,7 @@ class MeshTarget:
         )
         try:
             async for out in self.stub.Generate(
-                msg, metadata=((QOS_METADATA_KEY, req.qos.wire),), timeout=REQUEST_TIMEOUT_S
+                msg, metadata=mesh_metadata(req.qos.wire, self._api_key), timeout=REQUEST_TIMEOUT_S
             ):
                 if out.token_ids and ttft is None:
                     ttft = time.perf_counter() - start

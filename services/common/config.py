@@ -27,6 +27,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_HOST = "127.0.0.1"
 MESH_PORTS = {"gateway": 50051, "vision": 50052, "llm": 50053}
 MESH_METRICS_PORTS = {"gateway": 9464, "vision": 9465, "llm": 9466}
+# The launcher's per-run warm-up key reaches the gateway in this variable only (never argv).
+WARMUP_KEY_ENV = "VLMESH_WARMUP_KEY"
 LLM_MAX_BATCH = 8  # sequences the llm decodes together; the gateway's admission parallelism
 
 

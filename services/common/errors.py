@@ -9,6 +9,7 @@ traceback logged, and the server keeps serving.
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 import grpc
@@ -43,8 +44,19 @@ class ResourceExhausted(MeshError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(f"{message} (retry after {retry_after_s:.1f}s)")
+        super().__init__(f"{message} (retry after {format_delay(retry_after_s)})")
         self.retry_after_s = retry_after_s
+
+
+def format_delay(seconds: float) -> str:
+    """A delay for people: whole milliseconds below 1 s (never "0.0 s"), else seconds to 0.1 s.
+
+    It rounds up (to 1 ms at least), so a client that waits as long as it says is not early.
+    """
+    ms = max(1, math.ceil(seconds * 1000 - 1e-6))
+    if ms < 1000:
+        return f"{ms} ms"
+    return f"{math.ceil(seconds * 10 - 1e-6) / 10:.1f} s"
 
 
 class Unauthenticated(MeshError):
@@ -74,7 +86,9 @@ _PASS_THROUGH = frozenset(
 )
 
 
-_RETRY_SUFFIX = re.compile(r" \(retry after ([0-9.]+)s\)$")
+# The end of a ResourceExhausted message (format_delay): "(retry after 40 ms)", "(retry after 1.5 s)";
+# also the older "(retry after 0.5s)" of peers that predate format_delay.
+_RETRY_SUFFIX = re.compile(r" \(retry after ([0-9]+(?:\.[0-9]*)?) ?(ms|s)\)$")
 
 
 def _retry_after(err: grpc.RpcError, details: str | None) -> float:
@@ -93,7 +107,10 @@ def _retry_after(err: grpc.RpcError, details: str | None) -> float:
         except Exception:  # a malformed detail: fall back to the message
             pass
     found = _RETRY_SUFFIX.search(details or "")
-    return float(found.group(1)) if found else 1.0
+    if not found:
+        return 1.0
+    value = float(found.group(1))
+    return value / 1000 if found.group(2) == "ms" else value
 
 
 def from_rpc_error(err: grpc.RpcError, peer: str) -> MeshError:

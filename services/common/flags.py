@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
+from services.common.validation import CliParser
+
 _FLAG, _NESTED = "vlmesh.flag", "vlmesh.nested"
 
 
@@ -80,7 +82,7 @@ def _argparse_type(hint: Any) -> type:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         members = [a for a in typing.get_args(hint) if a is not type(None)]
         hint = members[0] if len(members) == 1 else str
-    return hint if hint in (int, float) else str
+    return hint if hint in (int, float, bool) else str
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,9 @@ def add_flags(
             groups[e.title] = parser.add_argument_group(e.title)
         target = group or groups[e.title]
         kwargs: dict[str, Any] = {"help": e.spec.help}
-        if e.type is not str:
+        if e.type is bool:  # --name / --no-name
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif e.type is not str:
             kwargs["type"] = e.type
         if e.default is MISSING:
             kwargs["required"] = True
@@ -189,14 +193,17 @@ def to_argv(cfg: Any) -> list[str]:
             argv += to_argv(value)
         elif _FLAG in f.metadata and value is not None:
             spec: Flag = f.metadata[_FLAG]
-            argv += [spec.name, spec.format(value)]
+            if isinstance(value, bool):
+                argv.append(spec.name if value else "--no-" + spec.name.removeprefix("--"))
+            else:
+                argv += [spec.name, spec.format(value)]
     return argv
 
 
 def parse_config(cls: type, argv: list[str] | None = None) -> Any:
     """`vlmesh serve NAME`'s flags -> a checked config; the parser's prog and description are the
     class's PROG and DESCRIPTION. ValueError (from `check()`) names the flag at fault."""
-    parser = argparse.ArgumentParser(prog=cls.PROG, description=cls.DESCRIPTION)
+    parser = CliParser(prog=cls.PROG, description=cls.DESCRIPTION)  # a bad flag: one line, exit 2
     add_flags(parser, cls)
     cfg = from_args(cls, parser.parse_args(argv))
     cfg.check()

@@ -2,7 +2,9 @@
 
 Each record has `ts`, `level`, `service`, `logger`, `msg`, and, when known, `trace_id` and
 `span_id` (of the current OpenTelemetry span), `request.id` and `tenant.id` (set per request
-by the servicers through `request_context`). `--log-format text` gives plain lines instead.
+by the servicers through `request_context`). A record may carry more fields as
+`extra={"fields": {...}}` (the gateway's access log); they replace those of the same name.
+`--log-format text` gives plain lines instead.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class JsonFormatter(logging.Formatter):
             out["request.id"] = rid
         if (tid := TENANT_ID.get()) is not None:
             out["tenant.id"] = tid
+        out.update(getattr(record, "fields", None) or {})  # extra={"fields": {...}}
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)

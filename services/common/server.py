@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -20,7 +22,6 @@ from services.common import eventloop, telemetry
 from services.common.config import ServerConfig
 from services.common.errors import MeshError
 from services.common.logs import setup_logging
-from services.common.metrics import start_metrics_server
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,37 @@ GRPC_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 )
+# grpcio binds servers with SO_REUSEPORT unless told not to, and a second server on a busy port
+# then starts without error and takes half its connections. No port sharing: a busy port fails.
+SERVER_OPTIONS = (*GRPC_OPTIONS, ("grpc.so_reuseport", 0))
+
+
+class PortInUse(OSError):
+    """Another process listens on the port; the message names the address and the flag to change."""
+
+    def __init__(self, address: str, flag: str, what: str = "") -> None:
+        super().__init__(f"cannot bind {what}{address}: the port is in use (another mesh?); choose another with {flag}")
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether some socket listens on host:port: a plain bind test (SO_REUSEADDR, as gRPC binds, so
+    closed connections in TIME_WAIT do not count; no SO_REUSEPORT, so a sharing server does).
+    Port 0 is never in use; an address this host does not have is left to the real bind to report."""
+    if port == 0:
+        return False
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError):
+        return False
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(address)
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    return True
+    return False
 
 
 @dataclass
@@ -55,7 +87,7 @@ async def start_server(
     Port 0 picks a free port; the bound one is returned, and written to `cfg.port_file`
     when one is given (after SERVING, so the file's presence means "ready").
     """
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=telemetry.server_interceptors())
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=telemetry.server_interceptors())
     for add in register:
         add(server)
     health_servicer = health.aio.HealthServicer()
@@ -67,10 +99,12 @@ async def start_server(
     address = f"{cfg.host}:{cfg.port}"
     try:
         bound = server.add_insecure_port(address)
-    except RuntimeError as err:  # grpcio raises instead of returning 0 since 1.5x
-        raise OSError(f"cannot bind {address} (in use, or not an address of this host): {err}") from err
+    except RuntimeError:  # grpcio raises instead of returning 0 since 1.5x
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind {address}")
+        if port_in_use(cfg.host, cfg.port):
+            raise PortInUse(address, "--port")
+        raise OSError(f"cannot bind {address}: not an address of this host?")
     await server.start()
     running = RunningServer(server, health_servicer, bound, names)
     await running.set_serving(True)
@@ -126,26 +160,48 @@ def run_service(
     """Entry point of `vlmesh serve NAME`: parse and check the config, then serve.
 
     A bad flag value exits 2 with the reason; so does a start-up failure the operator can
-    fix (a bad checkpoint, a missing device).
+    fix (a bad checkpoint, a missing device). A busy port fails before any weights load, in
+    one line that names the address and the flag to change.
     """
     try:
         cfg = parse(argv)
     except ValueError as err:
         print(f"vlmesh serve {name}: error: {err}", file=sys.stderr)
         return 2
-    setup_logging(cfg.server.log_level, name, cfg.server.log_format)  # type: ignore[attr-defined]
-    logging.getLogger(name).info("event loop: %s", eventloop.resolve(cfg.server.event_loop))  # type: ignore[attr-defined]
-    sys.setswitchinterval(cfg.server.switch_interval_ms / 1000)  # type: ignore[attr-defined]
+    server_cfg: ServerConfig = cfg.server  # type: ignore[attr-defined]
+    if port_in_use(server_cfg.host, server_cfg.port):
+        busy = PortInUse(f"{server_cfg.host}:{server_cfg.port}", "--port")
+        print(f"vlmesh serve {name}: {busy}", file=sys.stderr)
+        return 2
+    setup_logging(server_cfg.log_level, name, server_cfg.log_format)
+    logging.getLogger(name).info("event loop: %s", eventloop.resolve(server_cfg.event_loop))
+    sys.setswitchinterval(server_cfg.switch_interval_ms / 1000)
     try:
         telemetry.setup_tracing(name)
-        if cfg.server.metrics_port >= 0:  # type: ignore[attr-defined]
-            metrics_port = start_metrics_server(cfg.server.metrics_port, cfg.server.host)  # type: ignore[attr-defined]
+        if server_cfg.metrics_port >= 0:
+            metrics_port = _start_metrics(server_cfg)
             # The bound port, not 0, is what start_server reports in --port-file.
-            cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, metrics_port=metrics_port))  # type: ignore[attr-defined,type-var]
-        eventloop.run(serve(cfg), cfg.server.event_loop)  # type: ignore[attr-defined]
+            cfg = dataclasses.replace(cfg, server=dataclasses.replace(server_cfg, metrics_port=metrics_port))  # type: ignore[type-var]
+        eventloop.run(serve(cfg), server_cfg.event_loop)
+    except PortInUse as err:  # lost a race for the port since the check above
+        print(f"vlmesh serve {name}: {err}", file=sys.stderr)
+        return 2
     except (MeshError, OSError, ValueError) as err:
         logging.getLogger(name).error("cannot start: %s", getattr(err, "message", err))
         return 2
     finally:
         telemetry.shutdown_tracing()
     return 0
+
+
+def _start_metrics(cfg: ServerConfig) -> int:
+    # Imported here: the launcher imports this module for its port check, and prometheus_client
+    # brings an HTTP server along.
+    from services.common.metrics import start_metrics_server
+
+    try:
+        return start_metrics_server(cfg.metrics_port, cfg.host)
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise PortInUse(f"{cfg.host}:{cfg.metrics_port}", "--metrics-port", what="the metrics port ") from err
+        raise

@@ -1,12 +1,16 @@
 """Every request check, in one place: the gateway (the first line) and the services behind it
 check what they consume with these same functions. INVALID_ARGUMENT names the field, the
 value and the allowed range.
+
+The command-line clients (`vlmesh generate`, `vlmesh bench`) check their flags against the
+same limits before they send anything: `CliParser` and the argparse `type=` functions below.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from services.common.errors import InvalidArgument
 from services.common.sampling import Sampling
@@ -15,6 +19,10 @@ from vlmesh.v1 import common_pb2 as pb
 MAX_PROMPT_CHARS = 100_000
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_TEMPERATURE = 100.0
+UINT32_MAX = 2**32 - 1  # SamplingParams.max_tokens
+UINT64_MAX = 2**64 - 1  # SamplingParams.seed
+API_KEY_ENV = "VLMESH_API_KEY"  # the clients' --api-key default
 
 
 def check_images(images: Sequence[pb.Image], max_images: int | None = None) -> None:
@@ -41,13 +49,16 @@ def check_sampling(p: pb.SamplingParams, max_context: int) -> Sampling:
     """Validate what a client sent; INVALID_ARGUMENT names the field and the allowed range."""
     max_tokens = p.max_tokens if p.HasField("max_tokens") else None
     if max_tokens is not None and not 1 <= max_tokens < max_context:
+        # Only the value's own limits: how much room a prompt leaves is the llm's check (it tokenizes).
         raise InvalidArgument(
-            f"sampling.max_tokens={max_tokens} is out of range: use 1..{max_context - 1} "
-            f"(the model's context is {max_context} tokens, prompt included), or leave it unset"
+            f"sampling.max_tokens={max_tokens} is out of range: it must be at least 1 and below the model's "
+            f"context of {max_context} tokens, or unset for the server's default"
         )
     temperature = p.temperature if p.HasField("temperature") else 0.0
-    if not math.isfinite(temperature) or not 0.0 <= temperature <= 100.0:
-        raise InvalidArgument(f"sampling.temperature={temperature} is out of range: use 0 (greedy) to 100")
+    if not math.isfinite(temperature) or not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise InvalidArgument(
+            f"sampling.temperature={temperature} is out of range: use 0 (greedy) to {MAX_TEMPERATURE:g}"
+        )
     top_p = p.top_p if p.HasField("top_p") else 1.0
     if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
         raise InvalidArgument(f"sampling.top_p={top_p} is out of range: use a value in (0, 1]")
@@ -67,3 +78,86 @@ def check_sampling(p: pb.SamplingParams, max_context: int) -> Sampling:
         min_tokens=p.min_tokens,
         ignore_eos=p.ignore_eos,
     )
+
+
+# --- command-line values ---------------------------------------------------------------------
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse that reports a bad argument on one line, `PROG: error: argument --flag: why`, exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _range_text(lo: float, hi: float | None, lo_open: bool = False) -> str:
+    if hi is None:
+        return f"a number {'>' if lo_open else '>='} {lo:g}"
+    return f"more than {lo:g} and at most {hi:g}" if lo_open else f"{lo:g} to {hi:g}"
+
+
+def int_in(lo: int, hi: int | None = None, note: str = "") -> Callable[[str], int]:
+    """An argparse `type=`: a whole number in [lo, hi]; the message names the range."""
+    allowed = f"a whole number >= {lo}" if hi is None else f"a whole number from {lo} to {hi}"
+    allowed += f" ({note})" if note else ""
+
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: use {allowed}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"{value} is out of range: use {allowed}")
+        return value
+
+    return whole_number
+
+
+def float_in(lo: float, hi: float | None = None, *, lo_open: bool = False, note: str = "") -> Callable[[str], float]:
+    """An argparse `type=`: a finite number above (lo_open) or from lo, up to hi."""
+    allowed = _range_text(lo, hi, lo_open) + (f" ({note})" if note else "")
+
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number: use {allowed}") from None
+        below = value <= lo if lo_open else value < lo
+        if not math.isfinite(value) or below or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: use {allowed}")
+        return value
+
+    return number
+
+
+def prompt_text(text: str) -> str:
+    """An argparse `type=` for a prompt: the gateway's check_prompt, before anything is sent."""
+    try:
+        check_prompt(text)
+    except InvalidArgument as err:
+        raise argparse.ArgumentTypeError(err.message) from None
+    return text
+
+
+def stop_text(text: str) -> str:
+    """An argparse `type=` for one stop string (check_sampling's limit)."""
+    if not 1 <= len(text) <= MAX_STOP_CHARS:
+        raise argparse.ArgumentTypeError(f"a stop string has 1 to {MAX_STOP_CHARS} characters, not {len(text)}")
+    return text
+
+
+def api_key(text: str) -> str | None:
+    """An argparse `type=` for --api-key: a metadata value (printable ASCII, no spaces). Never echoes it."""
+    key = text.strip()
+    if not key:
+        return None
+    if not all("!" <= c <= "~" for c in key):
+        raise argparse.ArgumentTypeError(
+            "the key (from --api-key or VLMESH_API_KEY) must be printable ASCII without spaces"
+        )
+    return key
+
+
+def api_key_metadata(key: str | None) -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata that carries an API key to a gateway with --tenants (none without a key)."""
+    return (("authorization", f"Bearer {key}"),) if key else ()

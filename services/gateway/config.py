@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from services.common.config import DEFAULT_HOST, LLM_MAX_BATCH, MESH_METRICS_PORTS, MESH_PORTS, ServerConfig
 from services.common.flags import flag, nested, parse_config
 from services.common.qos import QosLevel, parse_qos
+from services.gateway.tenants import TenantRegistry
 
 DEFAULT_PORT = MESH_PORTS["gateway"]
 DEFAULT_METRICS_PORT = MESH_METRICS_PORTS["gateway"]
@@ -145,6 +146,12 @@ class GatewayConfig:
         metavar="FILE",
         help="JSON file of tenants (API keys, max qos-level, rate limits); auth is off without it",
     )
+    access_log: bool = flag(
+        "--access-log",
+        default=True,
+        help="one log line per Generate/GenerateUnary request at info (request.id, tenant.id, qos.level, status, "
+        "output_tokens, ms, method), however it ends; --no-access-log turns it off (default: on)",
+    )
     admission: AdmissionConfig = nested(AdmissionConfig)
 
     def check(self) -> None:
@@ -153,6 +160,8 @@ class GatewayConfig:
         for flag_name, target in (("--vision-target", self.vision_target), ("--llm-target", self.llm_target)):
             if ":" not in target:
                 raise ValueError(f"{flag_name} {target!r} must be HOST:PORT (or unix:PATH)")
+        if self.tenants:
+            TenantRegistry.load(self.tenants)  # a bad file fails here, before `vlmesh up` starts anything
 
 
 def parse(argv: list[str] | None = None) -> GatewayConfig:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 
+from services.common.config import WARMUP_KEY_ENV
 from services.common.server import run_service, serve_until_signal, start_server
 from services.gateway import config as gateway_config
 from services.gateway.servicer import GatewayServicer
@@ -13,9 +15,19 @@ from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 log = logging.getLogger("gateway")
 
 
+def load_tenants(cfg: gateway_config.GatewayConfig, environ=os.environ) -> TenantRegistry | None:
+    """The tenants of --tenants (None: auth off), with the launcher's warm-up key from the
+    environment: read once, at start; unset or empty, it authenticates nothing."""
+    if not cfg.tenants:
+        return None
+    return TenantRegistry.load(cfg.tenants, internal_key=environ.get(WARMUP_KEY_ENV) or None)
+
+
 async def serve(cfg: gateway_config.GatewayConfig) -> None:
-    tenants = TenantRegistry.load(cfg.tenants) if cfg.tenants else None
-    servicer = GatewayServicer(cfg.vision_target, cfg.llm_target, cfg.max_images, tenants, cfg.admission)
+    tenants = load_tenants(cfg)
+    servicer = GatewayServicer(
+        cfg.vision_target, cfg.llm_target, cfg.max_images, tenants, cfg.admission, access_log=cfg.access_log
+    )
     running = await start_server(
         cfg.server,
         [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],

@@ -23,6 +23,7 @@ from services.common.sampling import Sampling
 from services.common.server import GRPC_OPTIONS
 from services.common.timings import Timings
 from services.common.validation import check_images, check_prompt, check_sampling
+from services.gateway.access_log import AccessLog, Entry
 from services.gateway.admission import Admission, AdmissionConfig, Ticket
 from services.gateway.tenants import Tenant, TenantRegistry
 from services.handoff.release import release_leases
@@ -49,8 +50,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         max_images: int,
         tenants: TenantRegistry | None = None,
         admission: AdmissionConfig | None = None,
+        access_log: bool = True,
     ) -> None:
         self.tenants = tenants
+        self.access = AccessLog(access_log)
         self.admission = Admission(admission or AdmissionConfig())
         interceptors = telemetry.client_interceptors()  # W3C trace context into the metadata
         self.vision = vision_pb2_grpc.VisionStub(
@@ -79,10 +82,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         info.service = "gateway"
         return info
 
-    async def _run(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def _run(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext, entry: Entry):
         """Yield GenerateResponse messages; the last one carries usage and timings."""
         received = time.perf_counter()
-        request_id = request.request_id[:MAX_REQUEST_ID_CHARS] or uuid.uuid4().hex
+        request_id = entry.request_id = request.request_id[:MAX_REQUEST_ID_CHARS] or uuid.uuid4().hex
+        request_context(request_id)
         root = telemetry.current_span()  # the RPC's server span: the trace's root
         telemetry.annotate({"request.id": request_id}, root)
         with telemetry.span("gateway.admission") as span:
@@ -90,12 +94,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             try:
                 metadata_in = context.invocation_metadata()
                 tenant = self.tenants.authenticate(metadata_in) if self.tenants else None
-                tenant_id = tenant.id if tenant else "anonymous"
+                tenant_id = entry.tenant_id = tenant.id if tenant else "anonymous"
                 telemetry.annotate({"tenant.id": tenant_id}, root)
                 request_context(request_id, tenant_id)
                 qos = qos_from_metadata(metadata_in)
+                entry.qos = qos.wire
                 telemetry.annotate({"qos.level": qos.wire}, root)
-                if tenant is not None:
+                if tenant is not None and not tenant.internal:  # the warm-up is no tenant's usage
                     self.tenants.admit(tenant, qos)
                     charged = tenant  # refunded below if the request is refused after all
                 if len(request.request_id) > MAX_REQUEST_ID_CHARS:
@@ -239,20 +244,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     @rpc.stream
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        async for msg in self._run(request, context):
-            yield msg
+        with self.access.request("Generate", context) as entry:
+            async for msg in self._run(request, context, entry):
+                entry.relayed(msg)
+                yield msg
 
     @rpc.unary
     async def GenerateUnary(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         result = gateway_pb2.GenerateResult()
         texts: list[str] = []
-        async for msg in self._run(request, context):
-            texts.append(msg.text)
-            result.token_ids.extend(msg.token_ids)
-            result.request_id = msg.request_id
-            if msg.finish_reason:
-                result.finish_reason = msg.finish_reason
-                result.usage.CopyFrom(msg.usage)
-                result.timings.CopyFrom(msg.timings)
+        with self.access.request("GenerateUnary", context) as entry:
+            async for msg in self._run(request, context, entry):
+                entry.relayed(msg)
+                texts.append(msg.text)
+                result.token_ids.extend(msg.token_ids)
+                result.request_id = msg.request_id
+                if msg.finish_reason:
+                    result.finish_reason = msg.finish_reason
+                    result.usage.CopyFrom(msg.usage)
+                    result.timings.CopyFrom(msg.timings)
         result.text = "".join(texts)
         return result

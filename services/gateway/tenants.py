@@ -6,24 +6,40 @@ Auth is on when the gateway gets `--tenants FILE` and off otherwise. The file is
                   "requests_per_second": 10, "burst": 20,
                   "output_tokens_per_second": 2000, "token_burst": 8000}]}
 
+Only `id` and `api_keys` are required; `max_qos` defaults to standard, `requests_per_second`
+to 10, `burst` to max(1, requests_per_second), and without `output_tokens_per_second` there is
+no token limit (`token_burst` defaults to it). A bad file is refused at start with a message
+naming the tenant, the field and the value.
+
 Requests carry `authorization: Bearer KEY`. A missing or unknown key is UNAUTHENTICATED, a
 class above the tenant's `max_qos` is PERMISSION_DENIED, and an empty bucket is
 RESOURCE_EXHAUSTED with the time until it refills as google.rpc RetryInfo. Requests are
 charged when admitted (a request the gateway refuses after the tenant check, as invalid or
 over a queue limit or its deadline, gets its token back); generated tokens when the request
 ends (a bucket may go negative, and then admits nothing until it has refilled).
+
+One more key is accepted: the launcher's warm-up key (`VLMESH_WARMUP_KEY` in the gateway's
+environment, random per run, never in the file). It authenticates the internal tenant
+`vlmesh-warmup`: any qos-level, no rate limits, no tenant's usage.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from services.common.errors import MeshError, PermissionDenied, ResourceExhausted, Unauthenticated
-from services.common.qos import QosLevel, parse_qos
+from services.common.errors import PermissionDenied, ResourceExhausted, Unauthenticated
+from services.common.qos import QosLevel
+
+WARMUP_TENANT_ID = "vlmesh-warmup"
+FIELDS = ("id", "api_keys", "max_qos", "requests_per_second", "burst", "output_tokens_per_second", "token_burst")
+BEARER_FORMAT = 'authorization metadata must be "Bearer <API key>"'
 
 
 class TokenBucket:
@@ -68,48 +84,112 @@ class Tenant:
     max_qos: QosLevel
     requests: TokenBucket
     tokens: TokenBucket | None = field(default=None)
+    internal: bool = False  # the launcher's warm-up: no limits, not charged
+
+
+def _number(entry: dict, name: str, default: float | None, least: float, above: bool) -> float | None:
+    """entry[name] as a float (> least if `above`, else >= least); `default` when absent or null."""
+    value = entry.get(name)
+    if value is None:
+        return default
+    number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or not (value > least if above else value >= least):
+        raise ValueError(f"{name} must be a number {'>' if above else '>='} {least:g}, got {value!r}")
+    return float(value)
+
+
+def _tenant(entry: Any, index: int) -> tuple[Tenant, list[str]]:
+    """One entry of the file -> (tenant, its keys); ValueError naming the tenant, field and value."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"tenant #{index + 1} must be a JSON object, got {entry!r}")
+    name = entry.get("id")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tenant #{index + 1}: id must be a non-empty string, got {name!r}")
+    try:
+        if unknown := [k for k in entry if k not in FIELDS]:
+            raise ValueError(f"unknown field {unknown[0]!r} (the fields are {', '.join(FIELDS)})")
+        keys = entry.get("api_keys")
+        if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k.strip() for k in keys):
+            raise ValueError(f"api_keys must be a non-empty list of non-empty strings, got {keys!r}")
+        levels = {q.wire: q for q in QosLevel}
+        max_qos = entry.get("max_qos", "standard")
+        if not isinstance(max_qos, str) or max_qos.strip().lower() not in levels:
+            raise ValueError(f"max_qos must be one of {', '.join(levels)}, got {max_qos!r}")
+        rps = _number(entry, "requests_per_second", 10.0, 0, above=True)
+        burst = _number(entry, "burst", max(1.0, rps), 1, above=False)
+        tps = _number(entry, "output_tokens_per_second", None, 0, above=True)  # None: no token limit
+        token_burst = _number(entry, "token_burst", tps, 0, above=True)
+    except ValueError as err:
+        raise ValueError(f"tenant {json.dumps(name)}: {err}") from None
+    tenant = Tenant(
+        id=name,
+        max_qos=levels[max_qos.strip().lower()],
+        requests=TokenBucket(rps, burst),
+        tokens=TokenBucket(tps, token_burst) if tps is not None else None,
+    )
+    return tenant, keys
 
 
 class TenantRegistry:
-    def __init__(self, tenants: dict[str, Tenant]) -> None:
+    def __init__(self, tenants: dict[str, Tenant], internal_key: str | None = None) -> None:
         self._by_key = tenants
+        # An empty key authenticates nothing; compared in constant time.
+        self._internal_key = internal_key.encode() if internal_key else None
+        self._internal = Tenant(WARMUP_TENANT_ID, QosLevel.REALTIME, TokenBucket(1.0, 1.0), internal=True)
 
     @classmethod
-    def load(cls, path: str | Path) -> TenantRegistry:
+    def load(cls, path: str | Path, internal_key: str | None = None) -> TenantRegistry:
+        """Read and check the file; ValueError `tenants file PATH: ...` naming what is wrong."""
         try:
-            raw = json.loads(Path(path).read_text())
-            by_key: dict[str, Tenant] = {}
-            for entry in raw["tenants"]:
-                rps = float(entry.get("requests_per_second", 10))
-                tps = entry.get("output_tokens_per_second")
-                tenant = Tenant(
-                    id=str(entry["id"]),
-                    max_qos=parse_qos(entry.get("max_qos", "standard")),
-                    requests=TokenBucket(rps, float(entry.get("burst", max(1.0, rps)))),
-                    tokens=TokenBucket(float(tps), float(entry.get("token_burst", tps))) if tps else None,
-                )
-                if rps <= 0 or not entry.get("api_keys"):
-                    raise ValueError(f"tenant {tenant.id!r}: requests_per_second must be > 0 and api_keys non-empty")
-                for key in entry["api_keys"]:
-                    if key in by_key:
-                        raise ValueError(f"API key of tenant {tenant.id!r} is also given to {by_key[key].id!r}")
-                    by_key[key] = tenant
-        except (OSError, KeyError, TypeError, ValueError, json.JSONDecodeError, MeshError) as err:
-            raise ValueError(f"--tenants {path}: {getattr(err, 'message', err)}") from err
-        return cls(by_key)
+            return cls(cls._parse(Path(path).read_text()), internal_key)
+        except OSError as err:
+            raise ValueError(f"tenants file {path}: cannot read it: {err.strerror or err}") from None
+        except ValueError as err:
+            raise ValueError(f"tenants file {path}: {err}") from None
+
+    @staticmethod
+    def _parse(text: str) -> dict[str, Tenant]:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("tenants"), list) or set(raw) != {"tenants"}:
+            raise ValueError('expected {"tenants": [...]}, one object per tenant')
+        by_key: dict[str, Tenant] = {}
+        ids: set[str] = set()
+        for index, entry in enumerate(raw["tenants"]):
+            tenant, keys = _tenant(entry, index)
+            if tenant.id in ids or tenant.id == WARMUP_TENANT_ID:
+                why = "is reserved for the launcher's warm-up" if tenant.id == WARMUP_TENANT_ID else "appears twice"
+                raise ValueError(f"tenant {json.dumps(tenant.id)}: the id {why}")
+            ids.add(tenant.id)
+            for key in keys:
+                if (owner := by_key.get(key)) is not None:
+                    raise ValueError(
+                        f"tenant {json.dumps(tenant.id)}: an API key is also given to {json.dumps(owner.id)}"
+                    )
+                by_key[key] = tenant
+        return by_key
 
     def authenticate(self, metadata) -> Tenant:
         header = next((v for k, v in metadata or () if k == "authorization"), None)
         if header is None:
             raise Unauthenticated("missing 'authorization: Bearer <API key>' metadata")
-        scheme, _, key = (header.decode() if isinstance(header, bytes) else header).partition(" ")
-        tenant = self._by_key.get(key.strip()) if scheme.lower() == "bearer" else None
+        scheme, _, key = (header.decode() if isinstance(header, bytes) else header).strip().partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise Unauthenticated(BEARER_FORMAT)
+        if self._internal_key is not None and hmac.compare_digest(key.encode(), self._internal_key):
+            return self._internal
+        tenant = self._by_key.get(key)
         if tenant is None:
             raise Unauthenticated("unknown API key")
         return tenant
 
     @staticmethod
     def admit(tenant: Tenant, qos: QosLevel) -> None:
+        if tenant.internal:
+            return
         if qos < tenant.max_qos:  # lower value = higher class
             raise PermissionDenied(
                 f"tenant {tenant.id!r} may use qos-level {tenant.max_qos.wire} or lower, not {qos.wire}"

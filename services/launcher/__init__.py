@@ -1,7 +1,7 @@
 """`vlmesh up`: ports, the supervisor of the three processes, and the command line."""
 
 from services.launcher.cli import build_parser, options_from_args, up
-from services.launcher.ports import MeshError, free_port, reserve_port
+from services.launcher.ports import MeshError, PortBusy, check_ports, free_port
 from services.launcher.supervisor import Child, Mesh, MeshOptions, health_status, warmup_images
 
 __all__ = [
@@ -9,11 +9,12 @@ __all__ = [
     "Mesh",
     "MeshError",
     "MeshOptions",
+    "PortBusy",
     "build_parser",
+    "check_ports",
     "free_port",
     "health_status",
     "options_from_args",
-    "reserve_port",
     "up",
     "warmup_images",
 ]

@@ -4,7 +4,9 @@ Order: vision and llm start together (both load weights), then the gateway. Each
 report SERVING on the standard health service before the next step. Warm-up requests
 then go through the whole mesh, and one line `gateway ready on HOST:PORT` says the
 mesh can serve. If any child dies, the launcher names it, stops the others and exits
-non-zero. SIGINT/SIGTERM stop all three gracefully.
+non-zero. SIGINT/SIGTERM, at any stage (loading weights, warming up, serving), stop every
+child started so far and exit 0; the children also die with the launcher if it is killed.
+A fixed port that is taken fails before anything starts (exit 2); port 0 picks a free one.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from services.common.flags import add_flags, from_args
+from services.common.validation import CliParser
 from services.gateway import config as gateway_config
 from services.gateway.config import GatewayConfig
-from services.launcher.ports import MeshError
+from services.launcher.ports import MeshError, PortBusy, check_ports
+from services.launcher.process import Stopped, signals_ignored, stop_on_signals
 from services.launcher.supervisor import Mesh, MeshOptions, warmup_images
 from services.llm import config as llm_config
 from services.llm.config import LlmConfig
@@ -32,7 +36,7 @@ SERVER_FLAGS = ("host", "log_level", "event_loop")  # to all three
 MODEL_FLAGS = ("model", "device", "dtype", "threads")  # to vision and llm
 VISION_FLAGS = ("vision_engine", "max_vision_batch", "ready_signal")
 LLM_FLAGS = ("llm_engine", "max_llm_batch", "vllm_kv_cache_gib")
-GATEWAY_FLAGS = ("tenants", "max_in_flight", "stage_budgets_ms", "class_budget_scale")
+GATEWAY_FLAGS = ("tenants", "access_log", "max_in_flight", "stage_budgets_ms", "class_budget_scale")
 PASSED_ON = {
     "gateway": SERVER_FLAGS + GATEWAY_FLAGS,
     "vision": SERVER_FLAGS + MODEL_FLAGS + VISION_FLAGS,
@@ -59,15 +63,25 @@ def metrics_ports(text: str) -> tuple[int, int, int]:
         ports = tuple(int(x) for x in text.split(","))
     except ValueError:
         ports = ()
-    if len(ports) != 3:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected three ports, gateway,vision,llm")
+    if len(ports) != 3 or not all(-1 <= p <= 65535 for p in ports):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected three ports, gateway,vision,llm (0 = free, -1 = off)")
     return ports  # type: ignore[return-value]
 
 
+def glue_negative_values(argv: Sequence[str]) -> list[str]:
+    """`--metrics-ports -1,-1,-1` -> `--metrics-ports=-1,-1,-1`: argparse takes a separate value that
+    starts with '-' (and is not one plain number) for an option and refuses it."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] == "--metrics-ports" and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] = f"--metrics-ports={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vlmesh up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = CliParser(prog="vlmesh up", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(p, VisionConfig, only=MODEL_FLAGS, group=p.add_argument_group("model (vision and llm, each)"))
     mesh = p.add_argument_group("mesh (vlmesh up's own)")
     mesh.add_argument(
@@ -108,6 +122,8 @@ def options_from_args(values: argparse.Namespace | Mapping[str, Any], **given: A
         cfg.check()
         return cfg
 
+    # The llm's first: the gateway's --admission-parallelism is the llm's --max-llm-batch, so a bad
+    # batch must be reported under the flag the user typed.
     vision, llm = config("vision"), config("llm")
     gateway = config("gateway", admission_parallelism=llm.max_batch)  # admission sizes its queues by the batch
     return from_args(MeshOptions, values, gateway=gateway, vision=vision, llm=llm, **given)
@@ -117,44 +133,62 @@ def options_from_flags(argv: Sequence[str] = (), **flags: Any) -> MeshOptions:
     """See MeshOptions.from_flags."""
     given = {k: flags.pop(k) for k in NOT_FLAGS if k in flags}
     model = ["--model", str(flags.pop("model"))] if "model" in flags else []
-    args = vars(build_parser().parse_args([*model, *argv]))
+    args = vars(build_parser().parse_args(glue_negative_values([*model, *argv])))
     if unknown := set(flags) - set(args):
         raise TypeError(f"vlmesh up has no flags {sorted(unknown)}")
     return options_from_args({**args, **flags}, **given)
 
 
 def up(argv: list[str] | None = None) -> int:
+    with stop_on_signals():  # first: a SIGTERM at any later point stops what has started
+        mesh: Mesh | None = None
+        ready = False
+        try:
+            options = _checked_options(sys.argv[1:] if argv is None else argv)
+            mesh = Mesh(options)
+            mesh.start(_say)
+            print(f"gateway ready on {mesh.target('gateway')}", flush=True)
+            ready = True
+            mesh.wait()
+            _say("stopping")
+            return 0
+        except PortBusy as err:
+            _say(f"error: {err}")
+            return 2
+        except MeshError as err:
+            _say(f"error: {err}")
+            return 1
+        except Stopped as stop:
+            _say(f"{stop}{'' if ready else ' before the mesh was ready'}; stopping")
+            return 0
+        finally:
+            if mesh is not None:
+                with signals_ignored():
+                    mesh.stop()
+
+
+def _say(msg: str) -> None:
+    print(f"vlmesh up: {msg}", file=sys.stderr, flush=True)
+
+
+def _checked_options(argv: Sequence[str]) -> MeshOptions:
+    """Parse and check everything that can fail before a child starts (argparse exits 2 on a bad
+    flag; PortBusy for a taken port)."""
     p = build_parser()
-    args = p.parse_args(argv)
+    args = p.parse_args(glue_negative_values(argv))
     from services.model.presets import resolve_model
 
     try:
-        options_from_args(args)  # a bad flag value fails here, not in a child
+        options = options_from_args(args)  # a bad flag value fails here, not in a child
     except ValueError as err:
         p.error(str(err))
-    args.model = resolve_model(args.model)  # preset:NAME -> its directory, made once before the children start
-    if not (Path(args.model) / "config.json").is_file():
-        p.error(f"--model {args.model}: not a checkpoint directory (no config.json)")
     try:
         warmup_images(args.warmup_images)  # fail before starting anything
     except MeshError as err:
         p.error(str(err))
-    mesh = Mesh(options_from_args(args))
-
-    def say(msg: str) -> None:
-        print(f"vlmesh up: {msg}", file=sys.stderr, flush=True)
-
-    try:
-        mesh.start(say)
-        print(f"gateway ready on {mesh.target('gateway')}", flush=True)
-        mesh.wait()
-        say("stopping")
-        return 0
-    except MeshError as err:
-        say(f"error: {err}")
-        return 1
-    except KeyboardInterrupt:
-        say("interrupted; stopping")
-        return 0
-    finally:
-        mesh.stop()
+    # A second mesh on the same ports fails here, before a preset's weights are made or loaded.
+    check_ports({name: cfg.server for name, cfg in options.configs().items()})
+    args.model = resolve_model(args.model)  # preset:NAME -> its directory, made once before the children start
+    if not (Path(args.model) / "config.json").is_file():
+        p.error(f"--model {args.model}: not a checkpoint directory (no config.json)")
+    return options_from_args(args)

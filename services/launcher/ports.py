@@ -1,5 +1,10 @@
-"""Ports for `vlmesh up`: free ones, reservations held until a child binds, and the port files
-through which each child reports the ports it bound."""
+"""Ports for `vlmesh up`: the check that its fixed ports are free before anything starts, free
+ports for servers outside the mesh, and the private directory where each child reports the
+ports it bound.
+
+No reservations: a child given port 0 binds a free one itself and writes it to its port file.
+Nothing here shares a port (SO_REUSEPORT), so a busy port fails instead of being split.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,36 @@ import json
 import random
 import socket
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+
+from services.common.config import ServerConfig
+from services.common.server import PortInUse, port_in_use
 
 
 class MeshError(RuntimeError):
     """The mesh could not start or a child died."""
 
 
+class PortBusy(MeshError):
+    """A port the mesh was told to use is taken (`vlmesh up` exits 2)."""
+
+
+def check_ports(servers: Mapping[str, ServerConfig]) -> None:
+    """Raise PortBusy, naming the service, the address and `vlmesh up`'s flag, for the first fixed
+    port (gRPC or metrics) that some other process listens on. Port 0 and metrics -1 are skipped."""
+    for name, cfg in servers.items():
+        if port_in_use(cfg.host, cfg.port):
+            raise PortBusy(f"the {name} {PortInUse(f'{cfg.host}:{cfg.port}', f'--{name}-port')}")
+    for name, cfg in servers.items():
+        if cfg.metrics_port > 0 and port_in_use(cfg.host, cfg.metrics_port):
+            busy = PortInUse(f"{cfg.host}:{cfg.metrics_port}", "--metrics-ports", what="its metrics port ")
+            raise PortBusy(f"the {name} {busy}")
+
+
 def free_port(host: str) -> int:
-    """A port that is free now, for a server that cannot share a reservation (see reserve_port).
+    """A port that is free now, for a server outside the mesh that cannot report the port it
+    bound (Prometheus, Phoenix, vLLM's server in tests and benchmarks).
 
     Picked below the kernel's ephemeral range, which outgoing connections draw their source
     ports from, so only a process that binds this very port explicitly can take it first.
@@ -35,33 +61,21 @@ def free_port(host: str) -> int:
     raise MeshError(f"no free port on {host}")
 
 
-def reserve_port(host: str) -> socket.socket:
-    """A socket bound to a free port with SO_REUSEPORT, held until the server that gets the port is up.
-
-    gRPC servers bind with SO_REUSEPORT, so the child can bind the same port; meanwhile the kernel
-    gives the port to nobody else (a port merely picked and released can become some connection's
-    source port before the child binds it, and the child then fails to start). The socket never
-    listens, so every connection goes to the child.
-    """
-    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    s.bind((host, 0))
-    return s
-
-
-class PortFiles:
-    """One private directory of port files: each child writes its bound ports to `path(name)`
-    (its --port-file) once it is SERVING, so a file's presence means the child is up."""
+class RunDir:
+    """The launcher's private temporary directory, removed on stop: each child writes its bound
+    ports to `port_file(name)` (its --port-file) once it is SERVING, so a file's presence means the
+    child is up; the synthetic warm-up picture goes here too."""
 
     def __init__(self) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="vlmesh-ports-")
+        self._dir = tempfile.TemporaryDirectory(prefix="vlmesh-")
+        self.path = Path(self._dir.name)
 
-    def path(self, name: str) -> Path:
-        return Path(self._dir.name) / f"{name}.json"
+    def port_file(self, name: str) -> Path:
+        return self.path / f"{name}.ports.json"
 
     def read(self, name: str) -> dict[str, int] | None:
         """{"port": N, "metrics_port": M} once the child has written it, else None."""
-        path = self.path(name)
+        path = self.port_file(name)
         return json.loads(path.read_text()) if path.exists() else None
 
     def cleanup(self) -> None:

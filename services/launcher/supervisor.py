@@ -4,6 +4,10 @@ watch, stop.
 Order: vision and llm start together (both load weights), then the gateway. Each must
 report SERVING on the standard health service before the next step. Warm-up requests
 then go through the whole mesh. If any child dies, `wait` names it (MeshError).
+
+Ports: a fixed port must be free (checked before anything starts; no server shares a port).
+A child given port 0 binds a free one itself and reports it in its port file; the llm reads
+the vision's from there when it first needs it, and the gateway starts once both are known.
 """
 
 from __future__ import annotations
@@ -11,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,13 +27,17 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.config import WARMUP_KEY_ENV
 from services.common.flags import flag, to_argv
 from services.gateway.config import GatewayConfig
-from services.launcher.ports import MeshError, PortFiles, reserve_port
+from services.launcher.ports import MeshError, RunDir, check_ports
+from services.launcher.process import signals_held, spawn
 from services.llm.config import LlmConfig
 from services.vision.config import VisionConfig
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+# The launcher's own API key for its warm-up requests, made per run and given to the gateway in
+# this environment variable only (a command line is visible to every user through `ps`).
 
 
 @dataclass
@@ -81,30 +89,43 @@ class Mesh:
         self.opts = opts
         self.children: list[Child] = []
         self.configs = opts.configs()
-        # gRPC port 0: a free port reserved here until its server is up (the llm needs the
-        # vision's address when it starts). Metrics port 0: the child binds a free one and
-        # reports it in its port file.
-        self._reserved: dict[str, socket.socket] = {}
+        # Port 0 (gRPC or metrics): the child binds a free one and reports it in its port file;
+        # these hold the bound ports from then on.
         self.ports = {name: cfg.server.port for name, cfg in self.configs.items()}
-        for name, port in self.ports.items():
-            if port == 0:
-                self._reserved[name] = reserve_port(self.configs[name].server.host)
-                self.ports[name] = self._reserved[name].getsockname()[1]
         self.metrics_ports = {name: cfg.server.metrics_port for name, cfg in self.configs.items()}
-        self._port_files = PortFiles()
+        self._run = RunDir()
+        self._warmup_key = secrets.token_urlsafe(32)
 
     def target(self, name: str) -> str:
+        """HOST:PORT of a child; for port 0, known once the child serves."""
+        if self.ports[name] == 0:
+            raise MeshError(f"the {name}'s port is not known before it serves")
         return f"{self.configs[name].server.host}:{self.ports[name]}"
 
+    def _where(self, name: str) -> str:
+        host = self.configs[name].server.host
+        return f"{host}:{self.ports[name]}" if self.ports[name] else f"a free port of {host}"
+
     def _spawn(self, name: str, cfg: GatewayConfig | VisionConfig | LlmConfig) -> Child:
-        server = dataclasses.replace(cfg.server, port=self.ports[name], port_file=str(self._port_files.path(name)))
+        server = dataclasses.replace(cfg.server, port=self.ports[name], port_file=str(self._run.port_file(name)))
         cmd = [sys.executable, "-m", f"services.{name}", *to_argv(dataclasses.replace(cfg, server=server))]
-        env = {**os.environ, **self.opts.extra_env}
-        # Own process group: a Ctrl-C at the terminal reaches the launcher, which stops children in order.
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        child = Child(name, proc)
-        self.children.append(child)
+        env = {k: v for k, v in os.environ.items() if k != WARMUP_KEY_ENV}
+        env.update(self.opts.extra_env)
+        if name == "gateway":
+            env[WARMUP_KEY_ENV] = self._warmup_key
+        with signals_held():  # a SIGTERM now must find the child in self.children
+            child = Child(name, spawn(cmd, env))
+            self.children.append(child)
         return child
+
+    def _llm_config(self) -> LlmConfig:
+        """The llm's config with its vision: the address, or for port 0 the host and port file."""
+        if self.ports["vision"]:
+            return dataclasses.replace(self.opts.llm, vision_target=self.target("vision"))
+        host = self.configs["vision"].server.host
+        return dataclasses.replace(
+            self.opts.llm, vision_target=host, vision_port_file=str(self._run.port_file("vision"))
+        )
 
     def _check_alive(self) -> None:
         for child in self.children:
@@ -123,27 +144,30 @@ class Mesh:
                     f"{', '.join(c.name for c in pending)} not healthy after {self.opts.start_timeout_s:.0f}s"
                 )
             for child in list(pending):
-                bound = self._port_files.read(child.name)
+                bound = self._run.read(child.name)
                 if bound is None:
                     continue
+                self.ports[child.name] = bound["port"]
                 self.metrics_ports[child.name] = bound["metrics_port"]
                 if health_status(self.target(child.name)) == health_pb2.HealthCheckResponse.SERVING:
                     pending.remove(child)
-                    reservation = self._reserved.pop(child.name, None)
-                    if reservation is not None:
-                        reservation.close()
             time.sleep(0.1)
 
     def start(self, progress=print) -> None:
+        """Start the three and warm up; PortBusy (a MeshError) when a fixed port is taken."""
         o = self.opts
+        check_ports({name: cfg.server for name, cfg in self.configs.items()})
         deadline = time.monotonic() + o.start_timeout_s
         progress(
-            f"starting vision on {self.target('vision')} and llm on {self.target('llm')} (model {o.vision.model.path})"
+            f"starting vision on {self._where('vision')} and llm on {self._where('llm')} (model {o.vision.model.path})"
         )
         vision = self._spawn("vision", o.vision)
-        llm = self._spawn("llm", dataclasses.replace(o.llm, vision_target=self.target("vision")))
+        llm = self._spawn("llm", self._llm_config())
         self._wait_healthy([vision, llm], deadline)
-        progress(f"vision and llm are healthy; starting gateway on {self.target('gateway')}")
+        progress(
+            f"vision ({self.target('vision')}) and llm ({self.target('llm')}) are healthy; "
+            f"starting gateway on {self._where('gateway')}"
+        )
         gateway = self._spawn(
             "gateway",
             dataclasses.replace(o.gateway, vision_target=self.target("vision"), llm_target=self.target("llm")),
@@ -158,7 +182,10 @@ class Mesh:
         n = self.opts.warmup_requests
         if n <= 0:
             return
-        images = warmup_images(self.opts.warmup_images)
+        images = warmup_images(self.opts.warmup_images, self._run.path)
+        # Under --tenants the gateway takes this run's own key (WARMUP_KEY_ENV) as an internal tenant;
+        # without, auth is off and the header is ignored.
+        auth = [("authorization", f"Bearer {self._warmup_key}")]
         progress(f"warming up: {n} requests through the mesh")
         start = time.perf_counter()
         with grpc.insecure_channel(self.target("gateway")) as channel:
@@ -168,7 +195,7 @@ class Mesh:
                 path = images[i % len(images)]
                 req = build_request(path, "What is in the image?", 4, None, None, [])
                 try:
-                    stub.GenerateUnary(req, timeout=self.opts.start_timeout_s)
+                    stub.GenerateUnary(req, metadata=auth, timeout=self.opts.start_timeout_s)
                 except grpc.RpcError as err:
                     self._check_alive()
                     raise MeshError(
@@ -193,21 +220,21 @@ class Mesh:
                 signal.signal(s, handler)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the gateway first (it drains), then vision and llm; SIGKILL stragglers."""
-        order = sorted(self.children, key=lambda c: c.name != "gateway")
-        for child in order:
-            if child.proc.poll() is None:
+        """SIGTERM the gateway first (it drains), then vision and llm together; SIGKILL stragglers.
+        Then remove the launcher's temporary directory (port files, warm-up picture)."""
+        gateway = [c for c in self.children if c.name == "gateway"]
+        for batch in (gateway, [c for c in self.children if c.name != "gateway"]):
+            running = [child for child in batch if child.proc.poll() is None]
+            for child in running:
                 child.proc.send_signal(signal.SIGTERM)
+            for child in running:
                 try:
                     child.proc.wait(timeout=timeout_s)
                 except subprocess.TimeoutExpired:
                     child.proc.kill()
                     child.proc.wait()
         self.children.clear()
-        for reservation in self._reserved.values():
-            reservation.close()
-        self._reserved.clear()
-        self._port_files.cleanup()
+        self._run.cleanup()
 
     def __enter__(self) -> Mesh:
         return self
@@ -225,17 +252,20 @@ def health_status(target: str, timeout: float = 1.0) -> int:
         return health_pb2.HealthCheckResponse.UNKNOWN
 
 
-def warmup_images(directory: str | None) -> list[Path]:
-    """Images from --warmup-images DIR, or one synthetic picture when none is given."""
+def warmup_images(directory: str | None, scratch: Path | None = None) -> list[Path]:
+    """Images from --warmup-images DIR (MeshError when it has none); without DIR, one synthetic
+    picture written into `scratch`, the mesh's temporary directory (without one: none)."""
     if directory:
         root = Path(directory)
         found = sorted(p for p in root.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES) if root.is_dir() else []
         if not found:
             raise MeshError(f"--warmup-images {directory}: no image files there")
         return found
+    if scratch is None:
+        return []
     from PIL import Image
 
-    path = Path(os.environ.get("TMPDIR", "/tmp")) / "vlmesh-warmup.png"
+    path = scratch / "warmup.png"
     buf = io.BytesIO()
     Image.new("RGB", (224, 224), (230, 230, 230)).save(buf, format="PNG")
     path.write_bytes(buf.getvalue())

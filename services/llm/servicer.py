@@ -10,12 +10,15 @@ the request in the engine, which frees its KV space.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
+from pathlib import Path
 
 import grpc
 
 from services.common import metrics, rpc, telemetry
+from services.common.config import DEFAULT_HOST
 from services.common.errors import InvalidArgument, MeshError, Unavailable
 from services.common.logs import request_context
 from services.common.qos import qos_from_metadata
@@ -35,14 +38,18 @@ FINISH_TO_PB = {Finish.STOP: pb.FINISH_REASON_STOP, Finish.LENGTH: pb.FINISH_REA
 
 
 class LlmServicer(llm_pb2_grpc.LlmServicer):
-    def __init__(self, engine: Engine, spec: LlavaSpec, default_max_tokens: int, vision_target: str | None):
+    def __init__(
+        self,
+        engine: Engine,
+        spec: LlavaSpec,
+        default_max_tokens: int,
+        vision_target: str | None,
+        vision_port_file: str | None = None,
+    ):
         self.engine = engine
         self.spec = spec
         self.default_max_tokens = default_max_tokens
-        vision = None
-        if vision_target:
-            channel = grpc.aio.insecure_channel(vision_target, interceptors=telemetry.client_interceptors())
-            vision = vision_pb2_grpc.VisionStub(channel)
+        vision = VisionPeer(vision_target, vision_port_file) if vision_target or vision_port_file else None
         # Opens the features' references; hands their leases back to the vision (without one, the TTL does).
         self.consumer = Consumer(engine.device, vision, release_timeout_s=5)
 
@@ -139,3 +146,48 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
 
     def close(self) -> None:
         self.consumer.close()
+
+
+class VisionPeer:
+    """The vision's Release, connected on first use.
+
+    The vision's address may not be known when the llm starts: a launcher that starts both on
+    port 0 passes the vision's port file (--vision-port-file), written once the vision serves,
+    and the host (--vision-target). Requests, and so releases, come only after both serve.
+    """
+
+    def __init__(self, target: str | None, port_file: str | None) -> None:
+        self._target = target
+        self._port_file = port_file
+        self._stub: vision_pb2_grpc.VisionStub | None = None
+
+    def _resolve(self) -> str | None:
+        if not self._port_file:
+            return self._target
+        try:
+            port = int(json.loads(Path(self._port_file).read_text())["port"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            log.warning("no vision port in %s yet (%s); the TTL will reclaim the leases", self._port_file, err)
+            return None
+        return f"{host_of(self._target)}:{port}"
+
+    async def Release(self, request, timeout: float | None = None):  # noqa: ASYNC109 (the stub's signature)
+        if self._stub is None:
+            target = self._resolve()
+            if target is None:
+                return None
+            channel = grpc.aio.insecure_channel(target, interceptors=telemetry.client_interceptors())
+            self._stub = vision_pb2_grpc.VisionStub(channel)
+            log.info("releasing feature leases to the vision at %s", target)
+        return await self._stub.Release(request, timeout=timeout)
+
+
+def host_of(target: str | None) -> str:
+    """The host of HOST, HOST:PORT, [V6]:PORT or a bare IPv6 address (None: 127.0.0.1)."""
+    if not target:
+        return DEFAULT_HOST
+    if target.startswith("["):
+        return target[: target.index("]") + 1]
+    if target.count(":") == 1:
+        return target.split(":")[0]
+    return f"[{target}]" if ":" in target else target

@@ -23,15 +23,19 @@ def new_request(prompts: PromptBuilder, default_max_tokens: int, job: Job, emit:
     """The engine's Request for a job; INVALID_ARGUMENT if the prompt leaves no room."""
     spec = prompts.spec
     built = prompts.build(job.prompt, len(job.features))
-    room = spec.text.max_context - len(built.ids)
+    context, used = spec.text.max_context, len(built.ids)
+    room = context - used
     sampling = job.sampling
+    if room < 1:  # image positions included: they are part of what the model reads
+        raise InvalidArgument(
+            f"the prompt takes {used} tokens; the model's context is {context}, "
+            "which leaves no room for an answer: shorten the prompt"
+        )
     if sampling.max_tokens is not None and sampling.max_tokens > room:
         raise InvalidArgument(
-            f"sampling.max_tokens={sampling.max_tokens} does not fit: the prompt takes {len(built.ids)} of the "
-            f"model's {spec.text.max_context} context tokens, leaving {room}"
+            f"sampling.max_tokens={sampling.max_tokens} does not fit after this prompt: it takes {used} of the "
+            f"model's {context} context tokens, leaving room for at most {room}"
         )
-    if room < 1:
-        raise InvalidArgument(f"the prompt takes {len(built.ids)} tokens, the model's whole context")
     return Request(
         id=f"{job.request_id or 'req'}#{next(_ids)}",
         prompt_ids=built.ids,

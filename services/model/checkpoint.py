@@ -10,16 +10,16 @@ Layouts seen in the wild (ARCHITECTURE.md):
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from services.common.errors import InvalidArgument
 from services.model.clip import VisionTower
+from services.model.files import check_safetensors, weight_files
 from services.model.llama import LlamaDecoder
 from services.model.presets import init_random, is_random
 from services.model.spec import LlavaSpec
@@ -46,26 +46,23 @@ def canonical_key(key: str) -> tuple[str, str] | None:
     return None
 
 
-def _shards(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    shards = sorted(model_dir.glob("*.safetensors"))
-    if not shards:
-        raise InvalidArgument(f"{model_dir}: no *.safetensors weights")
-    return shards
-
-
 def read_state_dict(model_dir: Path, part: str, wanted: set[str]) -> dict[str, torch.Tensor]:
-    """Read the tensors of one part ('vision' or 'text') whose module keys are in `wanted`."""
+    """Read the tensors of one part ('vision' or 'text') whose module keys are in `wanted`.
+
+    A shard safetensors cannot read (cut short, corrupt) is an InvalidArgument naming the file.
+    """
     out: dict[str, torch.Tensor] = {}
-    for shard in _shards(model_dir):
-        with safe_open(str(shard), framework="pt") as f:
-            for key in f.keys():
-                mapped = canonical_key(key)
-                if mapped and mapped[0] == part and mapped[1] in wanted:
-                    out[mapped[1]] = f.get_tensor(key)
+    for shard in weight_files(model_dir):
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for key in f.keys():
+                    mapped = canonical_key(key)
+                    if mapped and mapped[0] == part and mapped[1] in wanted:
+                        out[mapped[1]] = f.get_tensor(key)
+        except (SafetensorError, OSError) as err:
+            check_safetensors(shard)  # names what is wrong with the file when it can tell
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise InvalidArgument(f"{shard}: cannot read these safetensors weights: {reason}") from None
     return out
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from services.common.errors import InvalidArgument
 
@@ -23,6 +24,7 @@ from services.common.errors import InvalidArgument
 MAX_IMAGE_PIXELS = 40_000_000
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+_REPR = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")  # an object's default repr
 
 
 @dataclass(frozen=True)
@@ -72,17 +74,25 @@ class ImageProcessorConfig:
         return cfg
 
 
-def decode_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
-    """Decode any format Pillow reads; INVALID_ARGUMENT with the reason otherwise."""
+def _reason(err: BaseException) -> str:
+    """Pillow's complaint, without Python internals (`<_io.BytesIO object at 0x7f...>`)."""
+    if isinstance(err, UnidentifiedImageError):
+        return "its format is not one Pillow recognises"
+    text = _REPR.sub("", str(err)).strip().rstrip(".") or type(err).__name__
+    return " ".join(text.split())
+
+
+def decode_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS, name: str = "image data") -> Image.Image:
+    """Decode any format Pillow reads; INVALID_ARGUMENT naming `name` (e.g. "images[0]") and the reason otherwise."""
     if not data:
-        raise InvalidArgument("image data is empty")
+        raise InvalidArgument(f"{name} is empty")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data))
             if img.width * img.height > max_pixels:
                 raise InvalidArgument(
-                    f"image is {img.width}x{img.height} = {img.width * img.height} pixels; the limit is {max_pixels}"
+                    f"{name} is {img.width}x{img.height} = {img.width * img.height} pixels; the limit is {max_pixels}"
                 )
             img.load()
     except InvalidArgument:
@@ -95,7 +105,7 @@ def decode_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image
         Image.DecompressionBombWarning,
     ) as err:
         raise InvalidArgument(
-            f"image data ({len(data)} bytes) is not a readable image (JPEG, PNG, WebP, ...): {err}"
+            f"{name} ({len(data)} bytes) is not a readable image (JPEG, PNG, WebP, ...): {_reason(err)}"
         ) from err
     return img
 

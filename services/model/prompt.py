@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.errors import InvalidArgument
+from services.model.files import check_tokenizer_files
 from services.model.spec import LlavaSpec
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -25,6 +26,28 @@ def _find_chat_template(model_dir: Path, tokenizer) -> str:
     raise InvalidArgument(f"{model_dir}: the checkpoint has no chat template")
 
 
+def load_tokenizer(model_dir: Path):
+    """The checkpoint's tokenizer; InvalidArgument naming the directory and the missing file.
+
+    Without tokenizer.json transformers tries to rebuild the tokenizer from other files and
+    fails with a message about sentencepiece or tiktoken, which hides the real cause.
+    """
+    from transformers import AutoTokenizer
+
+    check_tokenizer_files(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as err:  # transformers raises ValueError, OSError, ImportError, ... here
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        reason = lines[-1] if lines[0].endswith(":") else lines[0]  # "Couldn't ... from one of:" says nothing
+        if not (model_dir / "tokenizer.json").is_file():
+            raise InvalidArgument(
+                f"{model_dir}: tokenizer.json is missing, and transformers cannot build the tokenizer from the "
+                f"other files: {reason}"
+            ) from err
+        raise InvalidArgument(f"{model_dir}: cannot load the tokenizer: {reason}") from err
+
+
 @dataclass
 class PromptIds:
     ids: list[int]  # the whole prompt, image positions included
@@ -36,10 +59,8 @@ class PromptBuilder:
     """Applies the chat template and expands `<image>` to `image_tokens` positions."""
 
     def __init__(self, spec: LlavaSpec) -> None:
-        from transformers import AutoTokenizer
-
         self.spec = spec
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.model_dir, local_files_only=True)
+        self.tokenizer = load_tokenizer(spec.model_dir)
         self.template = _find_chat_template(spec.model_dir, self.tokenizer)
         image_id = self.tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
         if image_id != spec.image_token_id:

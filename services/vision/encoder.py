@@ -32,9 +32,9 @@ class VisionEncoder:
             self.device,
         )
 
-    def pixels(self, data: bytes) -> torch.Tensor:
-        """Image bytes -> pixels [3, S, S] (CPU, float32). Raises InvalidArgument."""
-        img: Image.Image = decode_image(data)
+    def pixels(self, data: bytes, name: str = "image data") -> torch.Tensor:
+        """Image bytes -> pixels [3, S, S] (CPU, float32). Raises InvalidArgument naming `name` ("images[0]")."""
+        img: Image.Image = decode_image(data, name=name)
         return preprocess(img, self.processor)
 
     @torch.inference_mode()

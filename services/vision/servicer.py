@@ -48,8 +48,8 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         with telemetry.span("vision.preprocess", {"images": len(request.images)}):
             pixels = await asyncio.gather(
                 *(
-                    asyncio.wrap_future(self._preprocess.submit(qos, self.encoder.pixels, image.data))
-                    for image in request.images
+                    asyncio.wrap_future(self._preprocess.submit(qos, self.encoder.pixels, image.data, f"images[{i}]"))
+                    for i, image in enumerate(request.images)
                 )
             )
         preprocess = time.perf_counter() - t0

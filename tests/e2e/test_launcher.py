@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from services.launcher import Mesh, free_port, health_status, reserve_port
+from services.launcher import Mesh, health_status
 from tests.helpers import image_bytes, mesh_options, scrape
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
@@ -26,7 +25,7 @@ VLMESH = [sys.executable, "-m", "services.cli"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
-def start_up(model, *extra) -> tuple[subprocess.Popen, str]:
+def start_up(model, *extra, env=ENV) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [
             *VLMESH,
@@ -39,6 +38,8 @@ def start_up(model, *extra) -> tuple[subprocess.Popen, str]:
             "0",
             "--llm-port",
             "0",
+            "--metrics-ports",
+            "0,0,0",
             "--warmup-requests",
             "2",
             "--log-level",
@@ -50,7 +51,7 @@ def start_up(model, *extra) -> tuple[subprocess.Popen, str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=ENV,
+        env=env,
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -75,8 +76,22 @@ def test_up_generate_and_ctrl_c(tiny_model, tmp_path):
     (warm / "b.webp").write_bytes(image_bytes(9, fmt="WEBP"))
     (warm / "notes.txt").write_text("not an image, skipped")
     proc, target = start_up(tiny_model, "--warmup-images", str(warm))
+    try:
+        check_ctrl_c_mesh(proc, target, tmp_path)
+    finally:
+        proc.kill()  # its children die with it
+
+
+def check_ctrl_c_mesh(proc: subprocess.Popen, target: str, tmp_path: Path) -> None:
     kids = children(proc.pid)
     assert len(kids) == 3
+    # The warm-up key reaches the gateway through its environment only: not on any command line.
+    environ = {pid: dict(kv.split("=", 1) for kv in environ_of(pid)) for pid in kids}
+    gateway = next(pid for pid in kids if "services.gateway" in Path(f"/proc/{pid}/cmdline").read_text())
+    key = environ[gateway]["VLMESH_WARMUP_KEY"]
+    assert len(key) >= 32
+    assert all("VLMESH_WARMUP_KEY" not in environ[pid] for pid in kids if pid != gateway)
+    assert all(key not in Path(f"/proc/{pid}/cmdline").read_text() for pid in [proc.pid, *kids])
     image = tmp_path / "pic.jpg"
     image.write_bytes(image_bytes(5, fmt="JPEG"))
     result = subprocess.run(
@@ -108,6 +123,34 @@ def test_up_generate_and_ctrl_c(tiny_model, tmp_path):
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
 
 
+def environ_of(pid: int) -> list[str]:
+    return [kv for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv]
+
+
+def test_warm_up_passes_tenant_auth_and_leaves_no_files(tiny_model, tmp_path):
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(
+        json.dumps(
+            {
+                "tenants": [
+                    {"id": "acme", "api_keys": ["sk-acme"], "max_qos": "standard", "requests_per_second": 1, "burst": 1}
+                ]
+            }
+        )
+    )
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc, _ = start_up(tiny_model, "--tenants", str(tenants), env={**ENV, "TMPDIR": str(scratch)})
+    try:
+        run_dirs = [p for p in scratch.iterdir() if p.name.startswith("vlmesh-")]
+        assert len(run_dirs) == 1 and (run_dirs[0] / "warmup.png").is_file()  # the synthetic picture, in its dir
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()  # its children die with it
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("vlmesh")]
+
+
 def test_launcher_names_the_child_that_died(tiny_model):
     proc, _ = start_up(tiny_model)
     llm = [pid for pid in children(proc.pid) if "services.llm" in Path(f"/proc/{pid}/cmdline").read_text()]
@@ -130,6 +173,8 @@ def test_empty_warmup_directory_is_an_error(tiny_model, tmp_path):
             "0",
             "--llm-port",
             "0",
+            "--metrics-ports",
+            "-1,-1,-1",
             "--warmup-images",
             str(tmp_path),
         ],
@@ -150,9 +195,9 @@ def test_bad_model_directory_fails_fast(tmp_path):
     assert "no config.json" in result.stderr
 
 
-def test_a_bad_service_flag_fails_before_any_child_starts(tmp_path):
+def test_a_bad_service_flag_fails_before_any_child_starts(tiny_model):
     result = subprocess.run(
-        [*VLMESH, "up", "--model", str(tmp_path), "--max-llm-batch", "0", "--vllm-kv-cache-gib", "-1"],
+        [*VLMESH, "up", "--model", str(tiny_model), "--max-llm-batch", "0", "--vllm-kv-cache-gib", "-1"],
         capture_output=True,
         text=True,
         env=ENV,
@@ -160,13 +205,32 @@ def test_a_bad_service_flag_fails_before_any_child_starts(tmp_path):
     )
     assert result.returncode == 2
     assert "--max-llm-batch 0 must be >= 1; --vllm-kv-cache-gib -1.0 must be >= 0" in result.stderr
+    assert "admission" not in result.stderr  # the flag the user typed, not the gateway's that follows it
     assert "starting vision" not in result.stderr
 
 
-def test_child_start_failure_is_reported(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "bert"}')
+@pytest.mark.parametrize("value", ["1,2", "abc", "1,2,70000"])
+def test_a_bad_metrics_ports_value_is_named(tiny_model, value):
+    result = subprocess.run(
+        [*VLMESH, "up", "--model", str(tiny_model), "--metrics-ports", value],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    want = f"vlmesh up: error: argument --metrics-ports: '{value}': expected three ports, gateway,vision,llm"
+    assert result.stderr.splitlines()[-1].startswith(want)
+
+
+def test_child_start_failure_is_reported(tiny_model, tmp_path):
+    model = tmp_path / "bert"
+    shutil.copytree(tiny_model, model)  # whole files (services/cli.py checks them), but not a LLaVA
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    ports = ["--gateway-port", "0", "--vision-port", "0", "--llm-port", "0", "--metrics-ports", "-1,-1,-1"]
     proc = subprocess.run(
-        [*VLMESH, "up", "--model", str(tmp_path), "--gateway-port", "0", "--vision-port", "0", "--llm-port", "0"],
+        [*VLMESH, "up", "--model", str(model), *ports],
         capture_output=True,
         text=True,
         env=ENV,
@@ -198,30 +262,6 @@ def test_port_zero_reports_the_bound_ports_in_the_port_file(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def test_a_port_in_use_fails_with_a_clear_message():
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        proc = serve_gateway("--port", str(port), "--metrics-port", "-1")
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 2
-    assert f"cannot bind 127.0.0.1:{port}" in err
-
-
-def test_a_reserved_port_is_taken_by_no_one_but_a_grpc_server():
-    with reserve_port("127.0.0.1") as held:
-        port = held.getsockname()[1]
-        with socket.socket() as other, pytest.raises(OSError):
-            other.bind(("127.0.0.1", port))  # what a connection's source port or another server would do
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
-        try:
-            assert server.add_insecure_port(f"127.0.0.1:{port}") == port  # gRPC binds with SO_REUSEPORT
-        finally:
-            server.stop(None)
-    assert free_port("127.0.0.1") > 0
 
 
 def test_sigterm_drains_in_flight_streams(tiny_model):

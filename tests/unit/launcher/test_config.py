@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,8 @@ from services.vision import config as vision_config
 from services.vision.config import VisionConfig
 
 MODULES = {"gateway": gateway_config, "vision": vision_config, "llm": llm_config}
+TENANTS = Path(tempfile.mkdtemp()) / "tenants.json"
+TENANTS.write_text('{"tenants": [{"id": "a", "api_keys": ["k"]}]}')
 MODEL = ModelConfig(path="/models/x", device="cpu", dtype="float32", threads=3)
 
 
@@ -44,7 +48,8 @@ CUSTOM = {
         vision_target="10.0.0.2:7",
         llm_target="unix:/tmp/llm.sock",
         max_images=3,
-        tenants="/etc/tenants.json",
+        tenants=str(TENANTS),
+        access_log=False,
         admission=AdmissionConfig(
             parallelism=3,
             max_in_flight={QosLevel.BEST_EFFORT: 5},
@@ -67,6 +72,7 @@ CUSTOM = {
         max_batch=16,
         default_max_tokens=17,
         vision_target="127.0.0.1:9",
+        vision_port_file="/tmp/vision.ports.json",
         vllm_kv_cache_gib=2.5,
     ),
 }
@@ -77,7 +83,14 @@ def reparse(name: str, argv: list[str]):
 
 
 def pairs(argv: list[str]) -> dict[str, str]:
-    return dict(zip(argv[::2], argv[1::2], strict=True))
+    """flag -> value; a boolean flag (--name / --no-name) -> itself, under --name."""
+    out, i = {}, 0
+    while i < len(argv):
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out[argv[i]], i = argv[i + 1], i + 2
+        else:
+            out[argv[i].replace("--no-", "--", 1)], i = argv[i], i + 1
+    return out
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -115,15 +128,15 @@ def test_up_parser_exposes_every_flag_it_passes_on():
         service = flag_specs(cli.CONFIGS[name])
         for dest in dests:
             assert dest in up and dest in service, (name, dest)
-            assert up[dest].option_strings == [service[dest].name]
-    assert "vllm_kv_cache_gib" in cli.PASSED_ON["llm"]
+            assert up[dest].option_strings[0] == service[dest].name  # a bool also has its --no- form
+    assert "vllm_kv_cache_gib" in cli.PASSED_ON["llm"] and "access_log" in cli.PASSED_ON["gateway"]
 
 
 def test_up_passes_its_flags_to_each_child():
     argv = ["--model", "/m", "--host", "0.0.0.0", "--log-level", "debug", "--event-loop", "asyncio"]
     argv += ["--device", "cpu", "--dtype", "float32", "--threads", "2", "--max-vision-batch", "3"]
     argv += ["--ready-signal", "event", "--llm-engine", "native", "--max-llm-batch", "5"]
-    argv += ["--vllm-kv-cache-gib", "1.5", "--tenants", "t.json", "--max-in-flight", "best-effort=4"]
+    argv += ["--vllm-kv-cache-gib", "1.5", "--tenants", str(TENANTS), "--max-in-flight", "best-effort=4"]
     argv += ["--vision-port", "0", "--metrics-ports", "1,-1,0"]
     opts = cli.options_from_args(cli.build_parser().parse_args(argv))
     for name, cfg in opts.configs().items():
@@ -135,7 +148,7 @@ def test_up_passes_its_flags_to_each_child():
     assert opts.vision.model == opts.llm.model == ModelConfig(path="/m", device="cpu", dtype="float32", threads=2)
     assert (opts.vision.max_batch, opts.vision.ready_signal) == (3, "event")
     assert (opts.llm.max_batch, opts.llm.vllm_kv_cache_gib) == (5, 1.5)
-    assert opts.gateway.tenants == "t.json"
+    assert opts.gateway.tenants == str(TENANTS)
     assert opts.gateway.admission.parallelism == 5  # the llm's batch
     assert opts.gateway.admission.max_in_flight == {
         QosLevel.REALTIME: 40,
@@ -176,7 +189,8 @@ def test_children_are_started_with_their_configs_argv(monkeypatch):
     spawned = {}
 
     class FakeProc:
-        def __init__(self, cmd, env, start_new_session):
+        def __init__(self, cmd, env, start_new_session, preexec_fn):
+            assert start_new_session and preexec_fn is not None  # own session; dies with the launcher
             spawned[cmd[2].removeprefix("services.")] = cmd[3:]
 
         def poll(self):
@@ -187,14 +201,16 @@ def test_children_are_started_with_their_configs_argv(monkeypatch):
     mesh = supervisor.Mesh(opts)
     try:
         mesh._spawn("vision", opts.vision)
-        mesh._spawn("llm", dataclasses.replace(opts.llm, vision_target=mesh.target("vision")))
+        mesh._spawn("llm", mesh._llm_config())
     finally:
         mesh.stop()
-    llm = llm_config.parse(spawned["llm"])
-    assert llm.server.port == mesh.ports["llm"] != 0 and llm.server.port_file
-    assert llm.vision_target == mesh.target("vision") and llm.max_batch == 3
-    assert dataclasses.replace(llm, server=opts.llm.server, vision_target=None) == opts.llm
-    vision = vision_config.parse(spawned["vision"])
+    llm, vision = llm_config.parse(spawned["llm"]), vision_config.parse(spawned["vision"])
+    # Port 0 goes to each child as 0: it binds a free port itself and reports it in its port file.
+    assert llm.server.port == vision.server.port == 0 and llm.server.port_file != vision.server.port_file
+    # The llm learns the vision's port from the vision's port file, its host from --vision-target.
+    assert (llm.vision_target, llm.vision_port_file) == ("127.0.0.1", vision.server.port_file)
+    assert llm.max_batch == 3
+    assert dataclasses.replace(llm, server=opts.llm.server, vision_target=None, vision_port_file=None) == opts.llm
     assert dataclasses.replace(vision, server=opts.vision.server) == opts.vision
 
 

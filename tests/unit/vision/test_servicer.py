@@ -123,7 +123,7 @@ def test_a_consumer_on_another_host_gets_inline_bytes(encoder, producer, consume
     "case,details",
     [
         ("no-images", "one image is required"),
-        ("not-a-picture", "is not a readable image"),
+        ("not-a-picture", "images[1] (19 bytes) is not a readable image"),
         ("no-common-transport", "no common transport"),
         ("unknown-qos", "unknown qos-level 'urgent'"),
     ],

@@ -1,0 +1,159 @@
+"""`vlmesh bench`'s flags, each checked as argparse reads it (`type=`): a bad value exits 2 with
+one line naming the flag and what it accepts, before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from services.bench.workloads import WORKLOADS
+from services.common import eventloop
+from services.common.config import DTYPES, READY_SIGNALS
+from services.common.validation import API_KEY_ENV, CliParser, api_key, float_in, int_in
+from services.llm import config as llm_config
+from services.llm.config import VLLM_MISSING
+from services.vision import config as vision_config
+
+TARGETS = ("mesh", "inprocess", "hf", "vllm")
+
+
+def names_of(allowed: tuple[str, ...] | list[str], check: Callable[[str], None] | None = None):
+    """A `type=` for a comma list of names from `allowed` (at least one); `check` vets each name."""
+
+    def names(text: str) -> list[str]:
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        if not out:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of {', '.join(allowed)}")
+        for name in out:
+            if name not in allowed:
+                raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(allowed)}")
+            if check is not None:
+                check(name)
+        return out
+
+    return names
+
+
+def _vllm_installed(name: str) -> None:
+    if name == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise argparse.ArgumentTypeError(f"vllm: {VLLM_MISSING}")
+
+
+def numbers(kind: type, allowed: str, *, positive: bool = True, count: int | None = None, empty: bool = False):
+    """A `type=` for a comma list of numbers (> 0, or >= 0), of `count` items when given."""
+
+    def parse(text: str) -> list:
+        parts = [x.strip() for x in text.split(",") if x.strip()]
+        out = []
+        for part in parts:
+            try:
+                value = kind(part)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{part!r} is not a number: use {allowed}") from None
+            if not (value > 0 if positive else value >= 0) or value != value or value == float("inf"):
+                raise argparse.ArgumentTypeError(f"{part} is out of range: use {allowed}")
+            out.append(value)
+        if (not out and not empty) or (count is not None and len(out) != count):
+            raise argparse.ArgumentTypeError(f"{text!r}: use {allowed}")
+        if count is not None and sum(out) <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: the shares add up to 0; use {allowed}")
+        return out
+
+    return parse
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    p = CliParser(prog="vlmesh bench", description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--model",
+        default="models/demo",
+        help="checkpoint directory, or preset:llava-7b-shaped for random weights (default %(default)s)",
+    )
+    p.add_argument(
+        "--target",
+        type=names_of(TARGETS, _vllm_installed),
+        default="mesh",
+        help=f"comma list of {', '.join(TARGETS)} (default %(default)s)",
+    )
+    p.add_argument("--gateway", default=None, help="HOST:PORT of a running gateway instead of starting a mesh")
+    p.add_argument(
+        "--api-key",
+        type=api_key,
+        default=os.environ.get(API_KEY_ENV) or None,
+        metavar="KEY",
+        help=f"sent to the mesh as `authorization: Bearer KEY` (a gateway with --tenants needs one; "
+        f"default: ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--workload",
+        type=names_of(list(WORKLOADS)),
+        default="W1",
+        help=f"comma list of {', '.join(WORKLOADS)} (default %(default)s)",
+    )
+    p.add_argument(
+        "--rates",
+        type=numbers(float, "a comma list of offered req/s, each > 0, e.g. 2,4,8"),
+        default="2,4,8,16",
+        help="offered req/s, comma list (default %(default)s)",
+    )
+    p.add_argument(
+        "--duration", type=float_in(0.0, lo_open=True), default=20.0, help="seconds per rate (default %(default)s)"
+    )
+    p.add_argument(
+        "--warmup",
+        type=float_in(0.0),
+        default=3.0,
+        help="seconds left out of the latencies, less than --duration (default %(default)s)",
+    )
+    p.add_argument(
+        "--qos-mix",
+        type=numbers(
+            float, "three shares >= 0, realtime,standard,best-effort, e.g. 0.2,0.6,0.2", positive=False, count=3
+        ),
+        default="0.2,0.6,0.2",
+        help="realtime,standard,best-effort shares (default %(default)s)",
+    )
+    p.add_argument("--seed", type=int_in(0), default=0)
+    p.add_argument("--out", type=Path, default=None, help="output directory (default bench-results/DATE)")
+    p.add_argument("--compare-seeds", action="store_true", help="print the write-ups' table beside ours")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--max-vision-batch", type=int_in(1), default=vision_config.DEFAULT_MAX_BATCH)
+    p.add_argument("--max-llm-batch", type=int_in(1), default=llm_config.DEFAULT_MAX_BATCH)
+    p.add_argument("--ready-signal", default="sync", choices=READY_SIGNALS, help="CUDA hand-off readiness (mesh)")
+    p.add_argument(
+        "--event-loop",
+        default="auto",
+        choices=eventloop.EVENT_LOOPS,
+        help="asyncio loop of this client, the in-process target and the mesh's servers (default %(default)s)",
+    )
+    p.add_argument("--threads", type=int_in(0), default=0, help="torch threads per service (mesh) or in-process")
+    p.add_argument(
+        "--closed-loop",
+        type=numbers(int, "a comma list of concurrencies, each >= 1, e.g. 1,4,16", empty=True),
+        default="",
+        help="also run closed loops at these concurrencies, e.g. 1,4,16",
+    )
+    return p
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse and check what one flag alone cannot (exit 2 with one line)."""
+    args = parser.parse_args(argv)
+    if args.warmup >= args.duration:
+        parser.error(f"argument --warmup: {args.warmup:g} must be less than --duration {args.duration:g}")
+    return args
+
+
+def config_of(args: argparse.Namespace) -> dict:
+    """The flags as results.json records them: lists as the comma text they came as, no API key."""
+
+    def text(v):
+        if isinstance(v, list | tuple):
+            return ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v)
+        return str(v) if isinstance(v, Path) else v
+
+    return {k: text(v) for k, v in vars(args).items() if k != "api_key"}

@@ -1,0 +1,51 @@
+"""The llm's room check (new_request): one limit, the room this prompt leaves, in the words a user reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.errors import InvalidArgument
+from services.common.qos import QosLevel
+from services.common.sampling import Sampling
+from services.llm.interface import Job
+from services.llm.submit import new_request
+from services.model.prompt import PromptBuilder
+from services.model.spec import load_spec
+from tests.helpers import ROOT
+
+
+@pytest.fixture(scope="module")
+def prompts() -> PromptBuilder:
+    return PromptBuilder(load_spec(ROOT / "models" / "demo"))
+
+
+def job(prompts: PromptBuilder, prompt: str, max_tokens: int | None) -> Job:
+    spec = prompts.spec
+    features = [torch.zeros(spec.image_tokens, spec.text.hidden)]
+    sampling = Sampling(max_tokens, 0.0, 1.0, None, (), 0, False)
+    return Job("r1", prompt, features, sampling, QosLevel.STANDARD)
+
+
+def test_max_tokens_past_the_room_names_the_room(prompts):
+    prompt = "What is in the image?"
+    used, context = len(prompts.build(prompt, 1).ids), prompts.spec.text.max_context
+    room = context - used
+    new_request(prompts, 16, job(prompts, prompt, room), lambda out: None)  # exactly the room fits
+    with pytest.raises(InvalidArgument) as info:
+        new_request(prompts, 16, job(prompts, prompt, room + 1), lambda out: None)
+    assert info.value.message == (
+        f"sampling.max_tokens={room + 1} does not fit after this prompt: it takes {used} of the model's "
+        f"{context} context tokens, leaving room for at most {room}"
+    )
+
+
+@pytest.mark.parametrize("max_tokens", [None, 5])
+def test_a_prompt_longer_than_the_context_names_the_context(prompts, max_tokens):
+    prompt = "colour " * 400
+    used, context = len(prompts.build(prompt, 1).ids), prompts.spec.text.max_context
+    assert used > context
+    with pytest.raises(InvalidArgument) as info:
+        new_request(prompts, 16, job(prompts, prompt, max_tokens), lambda out: None)
+    # The prompt is the problem whatever max_tokens says (not "leaving room for at most -300").
+    assert info.value.message.startswith(f"the prompt takes {used} tokens; the model's context is {context}")
