@@ -32,11 +32,11 @@ from services.vision.config import VisionConfig
 SERVICES = ("gateway", "vision", "llm")
 # The service flags `vlmesh up` takes and passes on, by dest; each is declared once, in its
 # service's config (services/*/config.py), with its default and help.
-SERVER_FLAGS = ("host", "log_level", "event_loop")  # to all three
+SERVER_FLAGS = ("host", "log_level", "log_format", "event_loop", "grace_s", "switch_interval_ms")  # to all three
 MODEL_FLAGS = ("model", "device", "dtype", "threads")  # to vision and llm
-VISION_FLAGS = ("vision_engine", "max_vision_batch", "ready_signal")
-LLM_FLAGS = ("llm_engine", "max_llm_batch", "vllm_kv_cache_gib")
-GATEWAY_FLAGS = ("tenants", "access_log", "max_in_flight", "stage_budgets_ms", "class_budget_scale")
+VISION_FLAGS = ("vision_engine", "max_vision_batch", "ready_signal", "arena_slots", "lease_ttl_s", "preprocess_workers")
+LLM_FLAGS = ("llm_engine", "max_llm_batch", "default_max_tokens", "vllm_kv_cache_gib")
+GATEWAY_FLAGS = ("tenants", "access_log", "max_images", "max_in_flight", "stage_budgets_ms", "class_budget_scale")
 PASSED_ON = {
     "gateway": SERVER_FLAGS + GATEWAY_FLAGS,
     "vision": SERVER_FLAGS + MODEL_FLAGS + VISION_FLAGS,

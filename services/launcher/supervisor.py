@@ -219,9 +219,12 @@ class Mesh:
             for s, handler in old.items():
                 signal.signal(s, handler)
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the gateway first (it drains), then vision and llm together; SIGKILL stragglers.
-        Then remove the launcher's temporary directory (port files, warm-up picture)."""
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM the gateway first (it drains), then vision and llm together; SIGKILL stragglers
+        (after --grace-s and 5 s more, unless `timeout_s` says otherwise). Then remove the
+        launcher's temporary directory (port files, warm-up picture)."""
+        if timeout_s is None:
+            timeout_s = self.opts.gateway.server.grace_s + 5.0
         gateway = [c for c in self.children if c.name == "gateway"]
         for batch in (gateway, [c for c in self.children if c.name != "gateway"]):
             running = [child for child in batch if child.proc.poll() is None]

@@ -47,7 +47,7 @@ def test_a_changed_default_makes_the_readme_stale(flag_table, monkeypatch):
     changed = lambda cls: {**real(cls), "default_max_tokens": 999} if cls is LlmConfig else real(cls)  # noqa: E731
     monkeypatch.setattr(flags, "flag_defaults", changed)
     table = flag_table.table()
-    assert "| `--default-max-tokens` | llm | `999` |" in table
+    assert "| `--default-max-tokens` | llm, up | `999` |" in table
     assert flag_table.readme_table((ROOT / "README.md").read_text()) != table
 
 
@@ -56,5 +56,5 @@ def test_the_rows_say_where_and_what(flag_table):
     assert rows["`--model`"][1:3] == ("vision, llm, up", "(required)")
     assert rows["`--llm-engine`"][1] == "llm, up" and "one of `native`, `vllm`" in rows["`--llm-engine`"][3]
     assert rows["`--port`"][2] == "gateway `50051`, vision `50052`, llm `50053`"
-    assert rows["`--default-max-tokens`"][1:3] == ("llm", "`256`")
+    assert rows["`--default-max-tokens`"][1:3] == ("llm, up", "`256`")
     assert rows["`--gateway-port`"][1] == "up"

@@ -160,8 +160,10 @@ def test_up_passes_its_flags_to_each_child():
 def test_up_rejects_a_bad_service_value_with_the_services_message():
     with pytest.raises(ValueError, match="--max-llm-batch 0 must be >= 1"):
         MeshOptions.from_flags(model="/m", max_llm_batch=0)
-    with pytest.raises(TypeError, match="arena_slots"):
-        MeshOptions.from_flags(model="/m", arena_slots=3)
+    with pytest.raises(ValueError, match="--arena-slots 3 must be >= --max-vision-batch 4"):
+        MeshOptions.from_flags(model="/m", arena_slots=3)  # a flag up now passes on, checked as the vision does
+    with pytest.raises(TypeError, match="port_file"):
+        MeshOptions.from_flags(model="/m", port_file="x")  # the launcher's to set, never a user's
 
 
 def test_each_default_is_declared_once():
