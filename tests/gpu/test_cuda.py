@@ -105,8 +105,9 @@ def test_mesh_on_gpu_matches_transformers(tiny_model):
         log_level="warning",
         extra_env={"NVIDIA_TF32_OVERRIDE": "0"},
     )
-    with Mesh(opts) as mesh, grpc.insecure_channel(mesh.target("gateway")) as channel:
-        mesh.start(progress=lambda m: None)
+    with Mesh(opts) as mesh:
+        mesh.start(progress=lambda m: None)  # port 0: the gateway's port is known once it serves
+        channel = grpc.insecure_channel(mesh.target("gateway"))
         stub = gateway_pb2_grpc.GatewayStub(channel)
         for data, prompt in CASES:
             req = gateway_pb2.GenerateRequest(
@@ -119,4 +120,5 @@ def test_mesh_on_gpu_matches_transformers(tiny_model):
         with pytest.raises(grpc.RpcError) as err:
             stub.GenerateUnary(bad, timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        channel.close()
         assert image_bytes(1)  # the fixture helpers import on the GPU host too
