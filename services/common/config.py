@@ -100,14 +100,16 @@ class ModelConfig:
         "--model",
         help="local directory of a Hugging Face LLaVA checkpoint, or preset:NAME (random weights)",
     )
-    device: str = flag("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
+    device: str = flag(
+        "--device", default="auto", help="cpu, cuda, cuda:N or auto: cuda when available (default %(default)s)"
+    )
     dtype: str = flag(
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="weights and activations; auto = bfloat16 on CUDA, float32 on CPU",
+        help="weights and activations; auto = bfloat16 on CUDA, float32 on CPU (default %(default)s)",
     )
-    threads: int = flag("--threads", default=0, help="torch CPU threads; 0 = torch's default")
+    threads: int = flag("--threads", default=0, help="torch CPU threads; 0 = torch's default (default %(default)s)")
 
     def check(self) -> None:
         if self.threads < 0:

@@ -8,6 +8,7 @@ the consumer's (`open`, `verify`: it reads references). The Producer and Consume
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
@@ -81,7 +82,7 @@ class Transport(Protocol):
         ...
 
 
-class ArenaTransport:
+class ArenaTransport(abc.ABC):
     """The part SHM and CUDA_IPC share: leased slots of an arena, references checked against its header.
 
     Subclasses say how a slot is written (`_write`, `_finish`), what a reference carries
@@ -114,11 +115,11 @@ class ArenaTransport:
             raise RuntimeError(f"this {self.name} transport was made for a consumer: it has no arena to write")
         return self.arena
 
+    @abc.abstractmethod
     def _write(self, tensor: torch.Tensor) -> tuple[Lease, int]:
         """Copy one tensor into a fresh leased slot; return the lease and the slot's byte offset."""
-        raise NotImplementedError
 
-    def _finish(self, leases: list[Lease]) -> None:
+    def _finish(self, leases: list[Lease]) -> None:  # noqa: B027 (a hook; host slots need nothing more)
         """Make written slots readable (signal readiness, publish their leases)."""
 
     def _ref(self, lease: Lease, offset: int, tensor: torch.Tensor) -> pb.TensorRef:
@@ -150,9 +151,9 @@ class ArenaTransport:
 
     # --- consumer side ---
 
+    @abc.abstractmethod
     def _read(self, view: ArenaView, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
         """The checked slot's tensor (a copy, or in place)."""
-        raise NotImplementedError
 
     def _forget(self, name: str) -> None:
         """Drop what this process cached of an arena whose producer is gone."""

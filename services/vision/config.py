@@ -23,7 +23,9 @@ class VisionConfig:
 
     server: ServerConfig = nested(ServerConfig, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
     model: ModelConfig = nested(ModelConfig)
-    engine: str = flag("--vision-engine", default="torch", help="encoder implementation (default %(default)s)")
+    engine: str = flag(
+        "--vision-engine", default="torch", choices=("torch",), help="encoder implementation (default %(default)s)"
+    )
     max_batch: int = flag(
         "--max-vision-batch", default=DEFAULT_MAX_BATCH, help="images per ViT forward (default %(default)s)"
     )
