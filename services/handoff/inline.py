@@ -12,11 +12,12 @@ from collections.abc import Sequence
 import torch
 
 from services.common.errors import FailedPrecondition
-from services.handoff.wire import Layout, Origin, inline_ref, transport_name
+from services.handoff.transport import TransportBase
+from services.handoff.wire import Layout, Origin, inline_ref
 from vlmesh.v1 import common_pb2 as pb
 
 
-class InlineTransport:
+class InlineTransport(TransportBase):
     """TRANSPORT_INLINE: bytes in the TensorRef; nothing to lease, release or verify."""
 
     kind = pb.TRANSPORT_INLINE
@@ -26,14 +27,6 @@ class InlineTransport:
 
     def __init__(self, origin: Origin | None = None) -> None:
         self.origin = origin or Origin("")
-
-    @property
-    def name(self) -> str:
-        return transport_name(self.kind)
-
-    @property
-    def accepted(self) -> bool:
-        return True
 
     def export(self, features: Sequence[torch.Tensor]) -> list[pb.TensorRef]:
         return [inline_ref(f, self.origin.host) for f in features]

@@ -82,23 +82,13 @@ class Transport(Protocol):
         ...
 
 
-class ArenaTransport(abc.ABC):
-    """The part SHM and CUDA_IPC share: leased slots of an arena, references checked against its header.
-
-    Subclasses say how a slot is written (`_write`, `_finish`), what a reference carries
-    besides the slot (`_ref`) and how a checked slot is read (`_read`).
-    """
+class TransportBase:
+    """What every transport object has: its kind, its metric label, its name, and whether this
+    process accepts it (all do, except CUDA IPC without a GPU)."""
 
     kind: ClassVar[int]
     label: ClassVar[str]
     in_place: ClassVar[bool]
-
-    def __init__(
-        self, *, arena: ArenaTable | None = None, origin: Origin | None = None, views: ArenaViews | None = None
-    ) -> None:
-        self.arena = arena
-        self.origin = origin or Origin("")
-        self.views = views if views is not None else ArenaViews()
 
     @property
     def name(self) -> str:
@@ -107,6 +97,21 @@ class ArenaTransport(abc.ABC):
     @property
     def accepted(self) -> bool:
         return True
+
+
+class ArenaTransport(TransportBase, abc.ABC):
+    """The part SHM and CUDA_IPC share: leased slots of an arena, references checked against its header.
+
+    Subclasses say how a slot is written (`_write`, `_finish`), what a reference carries
+    besides the slot (`_ref`) and how a checked slot is read (`_read`).
+    """
+
+    def __init__(
+        self, *, arena: ArenaTable | None = None, origin: Origin | None = None, views: ArenaViews | None = None
+    ) -> None:
+        self.arena = arena
+        self.origin = origin or Origin("")
+        self.views = views if views is not None else ArenaViews()
 
     # --- producer side ---
 
@@ -119,7 +124,7 @@ class ArenaTransport(abc.ABC):
     def _write(self, tensor: torch.Tensor) -> tuple[Lease, int]:
         """Copy one tensor into a fresh leased slot; return the lease and the slot's byte offset."""
 
-    def _finish(self, leases: list[Lease]) -> None:  # noqa: B027 (a hook; host slots need nothing more)
+    def _finish(self, leases: list[Lease]) -> None:
         """Make written slots readable (signal readiness, publish their leases)."""
 
     def _ref(self, lease: Lease, offset: int, tensor: torch.Tensor) -> pb.TensorRef:
