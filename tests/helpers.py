@@ -270,20 +270,18 @@ PROMPTS = ["What is in the image?", "Describe the picture in detail.", "What sha
 class Parts:
     """The native llm engine and the vision encoder in this process, without gRPC."""
 
-    def __init__(self, model_dir, max_batch: int) -> None:
-        import torch
-
-        from services.llm.engine import NativeEngine
-        from services.llm.runner import ModelRunner
+    def __init__(self, model_dir, max_batch: int, device: str = "cpu", dtype: str = "float32", native=None) -> None:
+        from services.llm.engines import build_native
         from services.model.prompt import PromptBuilder
         from services.model.spec import load_spec
         from services.vision.encoder import VisionEncoder
 
         spec = load_spec(model_dir)
         self.prompts = PromptBuilder(spec)
-        self.vision = VisionEncoder(spec, "cpu", "float32")
-        runner = ModelRunner(spec, torch.device("cpu"), torch.float32, max_batch)
-        self.engine = NativeEngine(runner, max_batch, self.prompts, default_max_tokens=256)
+        self.vision = VisionEncoder(spec, device, dtype)
+        self.engine = build_native(
+            self.prompts, self.vision.device, self.vision.dtype, max_batch, default_max_tokens=256, cfg=native
+        )
         self.engine.start()
         self._n = 0
 

@@ -64,7 +64,8 @@ HANDOFF_FALLBACKS = Counter(
     "vlmesh_handoff_fallbacks_total", "Hand-offs that fell back from the consumer's preferred transport", ["to"]
 )
 ARENA_SLOTS = Gauge("vlmesh_arena_slots", "Feature arena slots", ["arena", "state"])
-KV_SLOTS = Gauge("vlmesh_kv_slots", "KV cache slots of the llm engine", ["state"])
+KV_SLOTS = Gauge("vlmesh_kv_slots", "Batch places of the llm engine (running sequences)", ["state"])
+KV_PAGES = Gauge("vlmesh_kv_pages", "Pages of the llm engine's paged KV pool", ["state"])
 GPU_MEMORY = Gauge(
     "vlmesh_gpu_memory_bytes", "GPU memory held by this process's PyTorch allocator", ["service", "kind"]
 )

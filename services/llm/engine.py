@@ -2,8 +2,9 @@
 
 It implements the Engine interface (services/llm/interface.py) without gRPC: `submit`
 builds a Request and streams its `Output`s to the caller's event loop; `abort` stops a
-request within one step and frees its slot. Features that alias the vision arena (CUDA
-IPC) are read in place: their leases are verified around the prefill and released after it.
+request within one step and frees its batch place and KV pages. Features that alias the
+vision arena (CUDA IPC) are read in place: their leases are verified before the chunk that
+reads them and again once the step that read them has ended, and then released.
 
 The scheduler decides (admit, preempt, finish) and the model runner computes; this loop
 carries out the plan and records what happened in the metrics.
@@ -17,12 +18,13 @@ import threading
 import time
 
 from services.common.errors import MeshError
-from services.common.metrics import BATCH_SIZE, KV_SLOTS, PREEMPTIONS, QUEUE_DEPTH
+from services.common.metrics import BATCH_SIZE, KV_PAGES, KV_SLOTS, PREEMPTIONS, QUEUE_DEPTH
 from services.common.qos import QosLevel
 from services.llm.interface import EngineStats, Job, Leases
 from services.llm.request import Finish, Output, Request
+from services.llm.block_manager import BlockManager
 from services.llm.runner import ModelRunner
-from services.llm.scheduler import Plan, Scheduler
+from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS, Plan, Scheduler
 from services.llm.submit import QueuedSubmission, new_request, queued_emit
 from services.model.prompt import PromptBuilder
 
@@ -34,18 +36,28 @@ class NativeEngine:
 
     reads_in_place = True
 
-    def __init__(self, runner: ModelRunner, max_batch: int, prompts: PromptBuilder, default_max_tokens: int) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_batch: int,
+        prompts: PromptBuilder,
+        default_max_tokens: int,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+    ) -> None:
         self.runner = runner
         self.prompts, self.default_max_tokens = prompts, default_max_tokens
-        self.scheduler = Scheduler(max_batch)
+        pages = BlockManager(runner.n_pages, runner.page_size)
+        self.scheduler = Scheduler(max_batch, pages, max_prefill_tokens)
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self.eos = set(runner.spec.text.eos_token_ids)
-        slots = self.scheduler.slots
-        KV_SLOTS.labels("used").set_function(lambda: slots.n - slots.free)
-        KV_SLOTS.labels("free").set_function(lambda: slots.free)
+        sched = self.scheduler
+        KV_SLOTS.labels("used").set_function(lambda: len(sched.running))
+        KV_SLOTS.labels("free").set_function(lambda: sched.free_places)
+        KV_PAGES.labels("used").set_function(lambda: pages.capacity - pages.free)
+        KV_PAGES.labels("free").set_function(lambda: pages.free)
         waiting = self.scheduler.waiting_by_qos
         for q in QosLevel:
             QUEUE_DEPTH.labels("llm", q.wire).set_function(lambda q=q: waiting[q])
@@ -82,7 +94,7 @@ class NativeEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(running=len(s.running), waiting=s.waiting, free_slots=s.slots.free)
+        return EngineStats(running=len(s.running), waiting=s.waiting, free_slots=s.free_places)
 
     # ---- engine thread ----
     def _drain_inbox(self) -> None:
@@ -116,8 +128,8 @@ class NativeEngine:
                 self._step(plan)
             except Exception as err:  # fail the step's requests, keep serving the rest
                 log.exception("engine step failed")
-                for req in plan.prefill + plan.decode:
-                    if req.slot >= 0:
+                for req in [c.req for c in plan.prefill] + plan.decode:
+                    if req.running:
                         self._finish(req, Finish.ERROR, f"engine step failed: {type(err).__name__}: {err}")
         for req in list(self.scheduler.running) + self.scheduler.all_waiting():
             self._finish(req, Finish.ABORT, "the llm server is shutting down")
@@ -127,36 +139,44 @@ class NativeEngine:
         for req in plan.preempted:
             self.runner.evict(req)
             PREEMPTIONS.labels("llm", req.qos.wire).inc()
-        for req in plan.prefill:
-            resumed = bool(req.preempted_at)  # recompute: the prompt and every token generated so far
-            if not resumed:
+        for req in plan.admitted:
+            if not req.preempted_at:  # resumed requests keep their clocks and their generator
                 req.scheduled_at = now
                 req.generator = None if req.sampling.greedy else self.runner.new_generator(req.sampling.seed)
-            try:
-                if req.leases:
-                    req.leases.verify()  # not reclaimed while the request waited
-                logits = self.runner.prefill(req)
-                if req.leases and req.qos is QosLevel.BEST_EFFORT:
-                    # It may be preempted and recomputed after its leases are gone: keep a copy.
-                    self.runner.own_features(req)
-                tokens = self.runner.sample([req], logits)  # a host sync: the prefill has read the features
-                if req.leases:
-                    req.leases.verify()  # and they were not reused while it read them
-            except MeshError as err:
-                self._finish(req, Finish.ERROR, err)
-                continue
-            req.drop_leases()
-            if not resumed:
-                req.prefill_done_at = time.perf_counter()
-            self._postprocess([req], tokens)
-        decode = [r for r in plan.decode if r.slot >= 0]
-        if decode:
-            BATCH_SIZE.labels("llm").observe(len(decode))
-            logits = self.runner.decode(decode)
-            self._postprocess(decode, self.runner.sample(decode, logits))
+                # Preemptible, and its features alias memory it holds only until its prefill.
+                req.copy_features = req.leases is not None and req.qos is QosLevel.BEST_EFFORT
+        chunks = [c for c in plan.prefill if self._leases_hold(c.req, c.start)]  # not reclaimed while it waited
+        decodes = [r for r in plan.decode if r.running]
+        if not chunks and not decodes:
+            return
+        if decodes:
+            BATCH_SIZE.labels("llm").observe(len(decodes))
+        tokens = self.runner.step(chunks, decodes)  # ends with a host sync: the step's reads are done
+        for c in chunks:
+            if c.req.leases and c.req.computed >= c.req.features_end and self._leases_hold(c.req, 0):
+                c.req.drop_leases()  # read, and not reused while it was read
+        done = time.perf_counter()
+        sampled = [c.req for c in chunks if c.completes] + decodes
+        for req in sampled[: len(sampled) - len(decodes)]:
+            if not req.prefill_done_at:
+                req.prefill_done_at = done
+        self._postprocess(sampled, tokens)
+
+    def _leases_hold(self, req: Request, start: int) -> bool:
+        """Verify the leases of features read from position `start` on; a lost lease fails the request."""
+        if req.leases is None or start >= req.features_end:
+            return True
+        try:
+            req.leases.verify()
+        except MeshError as err:
+            self._finish(req, Finish.ERROR, err)
+            return False
+        return True
 
     def _postprocess(self, reqs: list[Request], tokens: list[int]) -> None:
         for req, tok in zip(reqs, tokens, strict=True):
+            if not req.running:  # failed during the step (a lease lost while its features were read)
+                continue
             if tok in self.eos and not req.sampling.ignore_eos:
                 self._finish(req, Finish.STOP)
                 continue

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.llm.config import ENGINES
+from services.llm.config import ENGINES, NativeEngineConfig
 from services.llm.interface import Engine
 from services.model.prompt import PromptBuilder
 
@@ -17,6 +17,7 @@ def build_engine(
     max_batch: int,
     default_max_tokens: int,
     vllm_kv_cache_gib: float = 0.0,
+    native: NativeEngineConfig | None = None,
 ) -> Engine:
     """Load the named engine's weights and start it; ValueError for an unknown name."""
     spec = prompts.spec
@@ -25,11 +26,27 @@ def build_engine(
 
         engine: Engine = VllmEngine(spec, dtype, max_batch, prompts, default_max_tokens, vllm_kv_cache_gib)
     elif name == "native":
-        from services.llm.engine import NativeEngine
-        from services.llm.runner import ModelRunner
-
-        engine = NativeEngine(ModelRunner(spec, device, dtype, max_batch), max_batch, prompts, default_max_tokens)
+        engine = build_native(prompts, device, dtype, max_batch, default_max_tokens, native)
     else:
         raise ValueError(f"--llm-engine {name!r}: use one of {', '.join(ENGINES)}")
     engine.start()
     return engine
+
+
+def build_native(
+    prompts: PromptBuilder,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_batch: int,
+    default_max_tokens: int,
+    cfg: NativeEngineConfig | None = None,
+):
+    """The native engine (weights loaded, KV pool sized, decode captured on CUDA), not yet started."""
+    from services.llm.engine import NativeEngine
+    from services.llm.kv_cache import KvConfig
+    from services.llm.runner import ModelRunner
+
+    cfg = cfg or NativeEngineConfig()
+    kv = KvConfig(cfg.page_size(device.type), cfg.kv_cache_gib, cfg.gpu_memory_utilization)
+    runner = ModelRunner(prompts.spec, device, dtype, max_batch, kv, cfg.max_prefill_tokens, cfg.enforce_eager)
+    return NativeEngine(runner, max_batch, prompts, default_max_tokens, cfg.max_prefill_tokens)

@@ -3,9 +3,9 @@
 Imports no torch (tensors appear in type hints only), so the scheduler that orders these
 requests stays a pure policy.
 
-Who changes what: the scheduler changes a request's place in line (`slot`, `preempted_at`);
-the model runner changes its tensors and KV state (`computed`, `image_features`); the engine
-changes its outputs and stage clocks.
+Who changes what: the scheduler changes a request's place in line and its KV pages
+(`blocks`, `prefill_target`, `preempted_at`); the model runner changes its tensors and KV
+state (`computed`, `image_features`); the engine changes its outputs and stage clocks.
 """
 
 from __future__ import annotations
@@ -58,10 +58,17 @@ class Request:
     emit: Callable[[Output], None]  # thread-safe hand-off to the caller's event loop
     arrival: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
-    slot: int = -1  # KV cache row while running
-    computed: int = 0  # tokens whose K/V are in the cache
+    # KV pages held while running, in position order: page i holds positions
+    # [i * page_size, (i + 1) * page_size). Reserved at admission for the whole sequence
+    # (prompt + max_new), so a running request never waits for memory mid-decode.
+    blocks: list[int] = field(default_factory=list)
+    prefill_target: int = 0  # positions the prefill covers: the prompt, and after a preemption the tokens so far
+    computed: int = 0  # positions whose K/V are in the cache
     generator: torch.Generator | None = None
     aborted: bool = False
+    # Copy the features before the prefill reads them: they alias the vision's memory, whose
+    # lease ends after the prefill, and this request may be preempted and recomputed later.
+    copy_features: bool = False
     # Features read in place from the vision arena (CUDA IPC): verified before and after the
     # prefill reads them, then released (once, see drop_leases).
     leases: Leases | None = None
@@ -79,6 +86,25 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Prompt and generated tokens: the positions a prefill starting now would cover."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def running(self) -> bool:
+        """Whether it holds KV pages (admitted, not finished or preempted)."""
+        return bool(self.blocks)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prefill_target
+
+    @property
+    def features_end(self) -> int:
+        """One past the last position that reads image features (0 without images)."""
+        return max((p + f.shape[0] for p, f in zip(self.image_positions, self.image_features, strict=True)), default=0)
 
     @property
     def image_tokens(self) -> int:

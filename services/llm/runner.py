@@ -1,142 +1,253 @@
-"""The model runner: decoder weights, the KV cache, prefill and decode forwards, sampling.
+"""The model runner: decoder weights, the paged KV pool, the step's forwards and sampling.
 
-KV cache: k, v [layers, slots, kv_heads, max_context, head_dim], allocated once.
+A step is what the scheduler planned: prefill chunks of several prompts packed into one
+forward (eager: its matmuls are large, so launches hide behind them), then one decode
+token for every running sequence (services/llm/decode.py: graph-captured on CUDA), then
+sampling for every row that wants a token. The host stages all of the step's inputs in one
+buffer and copies it once (services/llm/staging.py); the tokens come back in one copy,
+the step's only host sync.
+
+Only the runner changes KV state: `Request.computed`, and the features it copies
+(`copy_features`).
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
+from services.llm.attention import FlexDecode, GatherDecode, Span, prefill_attention, write_kv
+from services.llm.decode import DecodeStep, ban_eos
+from services.llm.kv_cache import KvConfig, PagedKvCache, pool_pages
 from services.llm.request import Request
+from services.llm.sampler import new_generator, sample
+from services.llm.scheduler import Chunk
+from services.llm.staging import Staging
 from services.model.checkpoint import load_decoder
-from services.model.llama import rope_cos_sin, rope_inv_freq
+from services.model.llama import rope_tables
 from services.model.spec import LlavaSpec
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, spec: LlavaSpec, device: torch.device, dtype: torch.dtype, slots: int) -> None:
-        self.spec = spec
-        self.device, self.dtype = device, dtype
+    def __init__(
+        self,
+        spec: LlavaSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_batch: int,
+        kv: KvConfig,
+        max_prefill_tokens: int,
+        enforce_eager: bool = False,
+    ) -> None:
+        self.spec, self.device, self.dtype = spec, device, dtype
         t = spec.text
+        self.max_context, self.max_batch = t.max_context, max_batch
+        self.page_size = kv.page_size
+        self.max_pages = -(-t.max_context // kv.page_size)  # block-table width
         self.model = load_decoder(spec, device, dtype)
-        self.max_context = t.max_context
-        shape = (t.layers, slots, t.kv_heads, t.max_context, t.head_dim)
-        self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
-        self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
-        self.inv_freq, self.rope_scale = rope_inv_freq(spec, device)
-        self.positions = torch.arange(t.max_context, device=device)
-        self.eos = torch.tensor(t.eos_token_ids or [-1], device=device)
-        kv_gib = 2 * self.k_cache.numel() * self.k_cache.element_size() / 2**30
+        self.rope = rope_tables(spec, device, dtype)
+        self.eos_ids = list(t.eos_token_ids)
+        self.eos = torch.tensor(self.eos_ids, dtype=torch.int64, device=device) if self.eos_ids else None
+        cuda = device.type == "cuda"
+        self.graphs = cuda and not enforce_eager
+        # Decode inputs at fixed addresses: tokens, positions, block tables, EOS-ban flags.
+        b, p = max_batch, self.max_pages
+        fixed = b * (3 + p)
+        # Room for a step's prefill: ids, positions, slots (per token), earlier positions of
+        # continued chunks (up to a context each), then per-row values.
+        capacity = fixed + 3 * max_prefill_tokens + max_batch * t.max_context + 8 * max_batch
+        self.staging = Staging(capacity, fixed, device)
+        host, dev = zip(
+            *(self.staging.fixed_view(at, n) for at, n in ((0, b), (b, b), (2 * b, b * p), (b * (2 + p), b)))
+        )
+        self._tok, self._pos, self._tab, self._ban = host
+        self._tab = self._tab.reshape(b, p)
+        tables = dev[2].view(b, p)
+        self._tokens_host = torch.zeros(max_batch, dtype=torch.int64, pin_memory=cuda)
+        self._tokens_ready = torch.cuda.Event() if cuda else None
+
+        own = self._warm_up(max_prefill_tokens) if cuda else 0
+        self.n_pages = pool_pages(spec, dtype, device, kv, max_batch, own)
+        self.kv = PagedKvCache(spec, device, dtype, self.n_pages, kv.page_size)
+        if self.graphs:
+            attn = FlexDecode(kv.page_size, t.heads, t.kv_heads, self.n_pages, max_batch, device)
+        else:
+            attn = GatherDecode(kv.page_size, t.heads, t.kv_heads)
+        self.decode = DecodeStep(
+            self.model, self.kv, attn, self.rope, (dev[0], dev[1], tables, dev[3]), self.eos_ids, max_batch, self.graphs
+        )
+        if self.graphs:
+            self.decode.capture(max_len=kv.page_size)
         log.info(
-            "decoder loaded: %d layers x %d, KV cache %d slots x %d positions (%.2f GiB), %s on %s",
+            "decoder loaded: %d layers x %d, %s on %s; decode %s",
             t.layers,
             t.hidden,
-            slots,
-            t.max_context,
-            kv_gib,
             dtype,
             device,
+            f"graph-captured for batches {self.decode.buckets}" if self.graphs else "eager",
         )
 
-    def _embed_prompt(self, req: Request, ids: list[int]) -> torch.Tensor:
-        """Token embeddings with each image's features scattered in: [1, T, H]."""
-        ids = torch.tensor(ids, device=self.device)
-        embeds = self.model.embed_tokens(ids)  # [T, H]
-        for pos, feats in zip(req.image_positions, req.image_features, strict=True):
-            embeds[pos : pos + feats.shape[0]] = feats.to(self.device, self.dtype, non_blocking=True)
-        return embeds[None]
-
+    # ---- the step ----
     @torch.inference_mode()
-    def prefill(self, req: Request) -> torch.Tensor:
-        """Run the whole prompt; fill the request's cache row; return last logits [1, vocab].
-
-        A request resumed after preemption recomputes its generated tokens too.
-        """
-        ids = req.prompt_ids + req.output_ids
-        t = len(ids)
-        positions = self.positions[:t][None]  # [1, T]
-        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, self.dtype)
-        slots = torch.tensor([req.slot], device=self.device)
-        logits = self.model(
-            self._embed_prompt(req, ids),
-            cos,
-            sin,
-            self.k_cache,
-            self.v_cache,
-            slots,
-            positions,
-            t,
-            None,
-            torch.tensor([t - 1], device=self.device),
-        )
-        req.computed = t
-        return logits
-
-    @torch.inference_mode()
-    def decode(self, reqs: list[Request]) -> torch.Tensor:
-        """One token for each request, at its next position; return logits [B, vocab]."""
-        b = len(reqs)
-        tokens = torch.tensor([r.output_ids[-1] for r in reqs], device=self.device)[:, None]  # [B, 1]
-        pos_list = [r.computed for r in reqs]
-        positions = torch.tensor(pos_list, device=self.device)[:, None]  # [B, 1]
-        kv_len = max(pos_list) + 1
-        mask = (self.positions[:kv_len][None, :] <= positions)[:, None, None, :]  # [B, 1, 1, kv_len]
-        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, self.dtype)
-        slots = torch.tensor([r.slot for r in reqs], device=self.device)
-        logits = self.model(
-            self.model.embed_tokens(tokens),
-            cos,
-            sin,
-            self.k_cache,
-            self.v_cache,
-            slots,
-            positions,
-            kv_len,
-            mask,
-            torch.zeros(b, dtype=torch.long, device=self.device),
-        )
-        for r in reqs:
+    def step(self, chunks: list[Chunk], decodes: list[Request]) -> list[int]:
+        """Run the planned chunks and decodes; return one token for each completing chunk, then each decode."""
+        sampled = [c.req for c in chunks if c.completes] + decodes
+        prefill = self._stage_prefill(chunks) if chunks else None
+        if decodes:
+            self._stage_decode(decodes)
+        greedy = all(r.sampling.greedy for r in sampled)
+        if not greedy:
+            temperature = self.staging.floats([r.sampling.temperature for r in sampled])
+            top_p = self.staging.floats([r.sampling.top_p for r in sampled])
+        self.staging.upload()
+        logits = [self._prefill(chunks, *prefill)] if prefill else []
+        if decodes:
+            self.decode.run(len(decodes), max_len=max(r.computed for r in decodes) + 1)
+            logits.append(self.decode.logits[: len(decodes)])
+        if not sampled:
+            tokens = None
+        elif greedy and not prefill:
+            tokens = self.decode.greedy[: len(decodes)]
+        elif greedy:
+            tokens = torch.cat([lg.argmax(-1) for lg in logits])
+        else:
+            gens = [None if r.sampling.greedy else r.generator for r in sampled]
+            any_top_p = any(r.sampling.top_p < 1.0 for r in sampled)
+            tokens = sample(torch.cat(logits), temperature, top_p, gens, any_top_p)
+        for c in chunks:
+            c.req.computed = c.end
+        for r in decodes:
             r.computed += 1
+        return self._fetch(tokens)
+
+    def _fetch(self, tokens: torch.Tensor | None) -> list[int]:
+        """The step's tokens to the host: one copy, one sync."""
+        if tokens is None:
+            if self._tokens_ready is not None:
+                torch.cuda.current_stream().synchronize()  # a step with no token still ends when its work does
+            return []
+        if self._tokens_ready is None:
+            return tokens.tolist()
+        host = self._tokens_host[: tokens.shape[0]]
+        host.copy_(tokens, non_blocking=True)
+        self._tokens_ready.record()
+        self._tokens_ready.synchronize()
+        return host.tolist()
+
+    # ---- decode ----
+    def _stage_decode(self, reqs: list[Request]) -> None:
+        b = self.decode.bucket(len(reqs))
+        self._tok[:b] = 0
+        self._pos[:b] = 0
+        self._tab[:b] = 0  # padding rows and unused entries point at the null page
+        self._ban[:b] = 0
+        for i, r in enumerate(reqs):
+            self._tok[i] = r.output_ids[-1]
+            self._pos[i] = r.computed
+            self._tab[i, : len(r.blocks)] = r.blocks
+            self._ban[i] = len(r.output_ids) < r.sampling.min_tokens
+
+    # ---- prefill ----
+    def _stage_prefill(self, chunks: list[Chunk]):
+        ids, positions, slots, spans, last_rows, bans = [], [], [], [], [], []
+        row = 0
+        for c in chunks:
+            req = c.req
+            seq = req.prompt_ids + req.output_ids if req.output_ids else req.prompt_ids
+            ids.extend(seq[c.start : c.end])
+            pos = np.arange(c.start, c.end)
+            positions.append(pos)
+            slots.append(self._slots(req.blocks, pos))
+            context = None
+            if c.start > 0:  # attends to earlier positions, already in the pool
+                context = self.staging.ints(self._slots(req.blocks, np.arange(c.end)))
+            spans.append(Span(row, c.end - c.start, c.start, context))
+            row += c.end - c.start
+            if c.completes:
+                last_rows.append(row - 1)
+                bans.append(len(req.output_ids) < req.sampling.min_tokens)
+        return (
+            self.staging.ints(ids),
+            self.staging.ints(np.concatenate(positions)),
+            self.staging.ints(np.concatenate(slots)),
+            spans,
+            self.staging.ints(last_rows) if last_rows else None,
+            self.staging.ints(bans) if last_rows else None,
+        )
+
+    def _slots(self, blocks: list[int], positions: np.ndarray) -> np.ndarray:
+        return np.asarray(blocks, dtype=np.int64)[positions // self.page_size] * self.page_size + (
+            positions % self.page_size
+        )
+
+    def _prefill(self, chunks: list[Chunk], ids, positions, slots, spans, last_rows, bans) -> torch.Tensor:
+        """Packed chunks -> logits [completing chunks, V] (fp32), EOS banned where min_tokens says."""
+        x = self.model.embed_tokens(ids)  # [N, H]
+        for c, span in zip(chunks, spans, strict=True):
+            self._scatter_features(x, c, span.row)
+        hidden = self._forward(x, positions.long(), slots.long(), spans)
+        if last_rows is None:
+            return hidden.new_zeros(0, self.model.lm_head.out_features, dtype=torch.float32)
+        logits = self.model.logits(hidden[last_rows.long()])
+        ban_eos(logits, self.eos, bans)
         return logits
 
+    def _forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, spans: list[Span]):
+        cos, sin = self.rope[0][positions], self.rope[1][positions]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            write_kv(self.kv.k[i], self.kv.v[i], slots, k, v)
+            return prefill_attention(q, k, v, self.kv.k[i], self.kv.v[i], spans)
+
+        return self.model(x, cos, sin, attend)
+
+    def _scatter_features(self, x: torch.Tensor, chunk: Chunk, row: int) -> None:
+        """Write the image features that fall inside the chunk over their placeholder embeddings."""
+        req = chunk.req
+        if req.copy_features and chunk.start < req.features_end:
+            # They alias memory whose lease ends after this prefill, and the request may be
+            # recomputed later (preemption): keep a copy, made before the lease goes.
+            req.image_features = [f.to(self.device, self.dtype).clone() for f in req.image_features]
+            req.copy_features = False
+        for pos, feats in zip(req.image_positions, req.image_features, strict=True):
+            lo, hi = max(pos, chunk.start), min(pos + feats.shape[0], chunk.end)
+            if lo < hi:
+                x[row + lo - chunk.start : row + hi - chunk.start] = feats[lo - pos : hi - pos].to(
+                    self.device, self.dtype, non_blocking=True
+                )
+
+    def _warm_up(self, tokens: int) -> int:
+        """Run a prefill of `tokens` positions on a small pool; return this process's peak memory.
+
+        What the weights and the largest prefill take is what the KV pool must leave free.
+        """
+        torch.cuda.reset_peak_memory_stats(self.device)
+        per_seq = min(tokens, self.max_context)
+        pages = -(-per_seq // self.page_size) + 1
+        self.kv = PagedKvCache(self.spec, self.device, self.dtype, pages, self.page_size)
+        spans, row = [], 0
+        while row < tokens:
+            n = min(per_seq, tokens - row)
+            spans.append(Span(row, n, 0, None))
+            row += n
+        positions = torch.cat([torch.arange(s.length, device=self.device) for s in spans])
+        with torch.inference_mode():
+            x = self.model.embed_tokens(torch.zeros(tokens, dtype=torch.int64, device=self.device))
+            self.model.logits(self._forward(x, positions, positions + self.page_size, spans)[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_reserved(self.device)
+        del self.kv
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---- request state ----
     def evict(self, req: Request) -> None:
         """Forget a preempted request's KV state: it resumes by recomputing its prompt and tokens."""
         req.computed = 0
 
-    def own_features(self, req: Request) -> None:
-        """Replace features that alias the vision arena by copies (their leases are about to go)."""
-        req.image_features = [f.clone() for f in req.image_features]
-
-    @torch.inference_mode()
-    def sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        """logits [B, vocab] -> one token id per request (one host sync for the batch)."""
-        for i, r in enumerate(reqs):
-            if len(r.output_ids) < r.sampling.min_tokens:
-                logits[i, self.eos] = float("-inf")  # EOS may not end the sequence yet
-        if all(r.sampling.greedy for r in reqs):
-            return logits.argmax(-1).tolist()
-        out = logits.argmax(-1)
-        for i, r in enumerate(reqs):
-            if r.sampling.greedy:
-                continue
-            probs = torch.softmax(logits[i] / r.sampling.temperature, dim=-1)
-            if r.sampling.top_p < 1.0:
-                sorted_p, order = probs.sort(descending=True)
-                # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-                drop = sorted_p.cumsum(-1) - sorted_p >= r.sampling.top_p
-                sorted_p[drop] = 0.0
-                probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-            out[i] = torch.multinomial(probs, 1, generator=r.generator)[0]
-        return out.tolist()
-
     def new_generator(self, seed: int | None) -> torch.Generator:
-        gen = torch.Generator(device=self.device)
-        if seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(seed)
-        return gen
+        return new_generator(self.device, seed)

@@ -1,17 +1,25 @@
-"""The llm scheduler: a pure policy over requests and KV slots (no torch, no metrics).
+"""The llm scheduler: a pure policy over requests, batch places and KV pages (no torch, no metrics).
 
-Each step it admits waiting requests into free KV slots in QoS order (class, aged by
-waiting time, then arrival) and decodes every running request once. The plan is the
-contract with the model runner, and it says what happened (admitted, preempted); the
-engine records it. The scheduler alone changes a request's place in line: its queue
-position and its slot.
+Each step it plans a `Plan`, the contract with the model runner:
+- **prefill chunks** under a token budget (`max_prefill_tokens`; image positions count like
+  any other): first the prompts already being prefilled, in admission order, then new
+  requests admitted in QoS order (class, aged by waiting time, then arrival). A prompt
+  longer than what is left of the budget is split, and its next chunk comes next step;
+- **decodes**: one token for every running request whose prefill is complete. Decodes run
+  every step, beside whatever prefill the step holds, so they never stall behind a prompt.
 
-Preemption: when every slot is taken and a realtime request heads the queue, the scheduler
-takes the slot of a running best-effort request that still competes below it (a best-effort
-request ages into the realtime class after 2 x AGING_S, and from then on is not preempted,
-so none is preempted forever). The victim is the one with the fewest generated tokens (the
-least work lost). It goes back to the queue with its tokens and is resumed by recomputation:
-its next prefill runs over the prompt and every token it has generated.
+A request is admitted when a batch place is free (at most `max_batch` run at once) and the
+pool has pages for its whole sequence (prompt + max_new); it holds them until it finishes.
+So a running request never waits for memory, and a request waits in line rather than
+failing when the pool is full.
+
+Preemption: when a realtime request heads the queue and there is no place or no room for
+it, the scheduler takes the place and pages of running best-effort requests that still
+compete below it (a best-effort request ages into the realtime class after 2 x AGING_S, and
+from then on is not preempted, so none is preempted forever), the one with the fewest
+generated tokens first (the least work lost). A victim goes back to the queue with its
+tokens and is resumed by recomputation: its next prefill covers the prompt and every token
+it generated. The plan says what happened (admitted, preempted); the engine records it.
 """
 
 from __future__ import annotations
@@ -22,32 +30,32 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.qos import AGING_S, QosLevel, effective_class
+from services.llm.block_manager import BlockManager
 from services.llm.request import Request
 
+DEFAULT_MAX_PREFILL_TOKENS = 2048
 
-class SlotPool:
-    """KV cache rows. A request holds one row from prefill until it finishes."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self._free = list(range(n - 1, -1, -1))
+@dataclass(frozen=True)
+class Chunk:
+    """Positions [start, end) of one request's prefill, computed in this step."""
 
-    def take(self) -> int:
-        return self._free.pop()
-
-    def give(self, slot: int) -> None:
-        self._free.append(slot)
+    req: Request
+    start: int
+    end: int
 
     @property
-    def free(self) -> int:
-        return len(self._free)
+    def completes(self) -> bool:
+        """The last chunk of its prefill: the step samples the request's next token from it."""
+        return self.end == self.req.prefill_target
 
 
 @dataclass
 class Plan:
-    prefill: list[Request] = field(default_factory=list)  # new, or resumed after preemption
+    prefill: list[Chunk] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # their first chunk is in `prefill`
 
     @property
     def empty(self) -> bool:
@@ -56,11 +64,18 @@ class Plan:
 
 class Scheduler:
     def __init__(
-        self, max_batch: int, aging_s: float = AGING_S, clock: Callable[[], float] = time.perf_counter
+        self,
+        max_batch: int,
+        blocks: BlockManager,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        aging_s: float = AGING_S,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.slots = SlotPool(max_batch)
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        self.max_batch, self.blocks, self.max_prefill_tokens = max_batch, blocks, max_prefill_tokens
         self._waiting: list[Request] = []
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order
         self.aging_s, self.clock = aging_s, clock
         # Waiting requests per class, kept as the queue changes (read by the engine's gauges).
         self.waiting_by_qos: Counter[QosLevel] = Counter()
@@ -73,35 +88,71 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def free_places(self) -> int:
+        return self.max_batch - len(self.running)
+
+    def fits(self, req: Request) -> bool:
+        """Whether the pool could ever hold this request's whole sequence."""
+        return self.blocks.pages_for(self._tokens(req)) <= self.blocks.capacity
+
     def schedule(self) -> Plan:
         plan = Plan()
-        if self._waiting and (self.slots.free or self._realtime_waiting()):
-            now = self.clock()
-            # Sorting a short queue when a slot is free costs less than keeping an aged heap.
-            self._waiting.sort(key=lambda r: (self._class(r, now), r.arrival))
-            while self._waiting:
-                req = self._waiting[0]
-                if req.aborted:
-                    self._pop()
-                    continue
-                if not self.slots.free:
-                    victim = self._victim(req, now)
-                    if victim is None:
-                        break
-                    self._preempt(victim, now)
-                    plan.preempted.append(victim)
-                self._pop()
-                req.slot = self.slots.take()
-                plan.prefill.append(req)
-                self.running.append(req)
-        plan.decode = [r for r in self.running if r not in plan.prefill]
+        budget = self.max_prefill_tokens
+        decoding = []
+        for req in self.running:  # prompts already part-way through their prefill go on first
+            if not req.prefilling:
+                decoding.append(req)
+            elif budget > 0:
+                end = min(req.prefill_target, req.computed + budget)
+                plan.prefill.append(Chunk(req, req.computed, end))
+                budget -= end - req.computed
+        if self._waiting and budget > 0:
+            budget = self._admit(plan, budget)
+        if plan.preempted:  # a victim's chunk or decode this step is dropped with it
+            gone = {id(r) for r in plan.preempted}
+            plan.prefill = [c for c in plan.prefill if id(c.req) not in gone]
+            plan.admitted = [r for r in plan.admitted if id(r) not in gone]
+            decoding = [r for r in decoding if id(r) not in gone]
+        plan.decode = decoding
         return plan
+
+    def _admit(self, plan: Plan, budget: int) -> int:
+        now = self.clock()
+        # Sorting a short queue costs less than keeping an aged heap.
+        self._waiting.sort(key=lambda r: (self._class(r, now), r.arrival))
+        while self._waiting and budget > 0:
+            req = self._waiting[0]
+            if req.aborted:
+                self._pop()
+                continue
+            pages = self.blocks.pages_for(self._tokens(req))
+            while not self._room(pages):
+                victim = self._victim(req, now)
+                if victim is None:
+                    return budget  # the head waits; nothing behind it overtakes it
+                self._preempt(victim, now)
+                plan.preempted.append(victim)
+            self._pop()
+            req.blocks = self.blocks.allocate(pages)
+            req.prefill_target = req.seq_len
+            self.running.append(req)
+            plan.admitted.append(req)
+            end = min(req.prefill_target, req.computed + budget)
+            plan.prefill.append(Chunk(req, req.computed, end))
+            budget -= end - req.computed
+        return budget
+
+    @staticmethod
+    def _tokens(req: Request) -> int:
+        """Positions a request may fill: its prompt and every token it may generate."""
+        return req.prompt_len + req.max_new
+
+    def _room(self, pages: int) -> bool:
+        return len(self.running) < self.max_batch and self.blocks.can_allocate(pages)
 
     def _class(self, req: Request, now: float) -> int:
         return effective_class(req.qos, now - req.arrival, self.aging_s)
-
-    def _realtime_waiting(self) -> bool:
-        return any(r.qos is QosLevel.REALTIME for r in self._waiting)
 
     def _pop(self, index: int = 0) -> Request:
         req = self._waiting.pop(index)
@@ -119,22 +170,23 @@ class Scheduler:
         return min(candidates, key=lambda r: (len(r.output_ids), -r.arrival), default=None)
 
     def _preempt(self, req: Request, now: float) -> None:
-        """Free a running request's slot and queue it again; it resumes by recomputation.
+        """Free a running request's place and pages and queue it again; it resumes by recomputation.
 
         Its KV state is the runner's to reset (the engine tells it, from the plan).
         """
-        self.running.remove(req)
-        self.slots.give(req.slot)
-        req.slot = -1
+        self._release(req)
         req.preempted_at.append(now)
         self.add(req)
 
+    def _release(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.release(req.blocks)
+        req.blocks = []
+
     def finish(self, req: Request) -> None:
-        """Free a request's slot (finished, aborted or failed)."""
-        if req.slot >= 0:
-            self.running.remove(req)
-            self.slots.give(req.slot)
-            req.slot = -1
+        """Free a request's place and pages (finished, aborted or failed)."""
+        if req.running:
+            self._release(req)
 
     def drop_waiting(self, request_id: str) -> Request | None:
         for i, req in enumerate(self._waiting):

@@ -25,7 +25,7 @@ async def serve(cfg: llm_config.LlmConfig) -> None:
     dtype = resolve_dtype(cfg.model.dtype, device)
     prompts = PromptBuilder(spec)
     engine = build_engine(
-        cfg.engine, prompts, device, dtype, cfg.max_batch, cfg.default_max_tokens, cfg.vllm_kv_cache_gib
+        cfg.engine, prompts, device, dtype, cfg.max_batch, cfg.default_max_tokens, cfg.vllm_kv_cache_gib, cfg.native
     )
     servicer = LlmServicer(engine, spec, cfg.default_max_tokens, cfg.vision_target, cfg.vision_port_file)
     try:

@@ -57,7 +57,7 @@ def export_text_model(spec: LlavaSpec, dtype: torch.dtype, root: Path = Path(".c
     if (out / "model.safetensors").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    decoder = load_decoder(spec, torch.device("cpu"), dtype)
+    decoder = load_decoder(spec, torch.device("cpu"), dtype, fuse=False)
     # Our module names are the Llama ones: embed_tokens, layers.N.*, norm under `model.`, then lm_head.
     state = {(k if k.startswith("lm_head.") else f"model.{k}"): v.contiguous() for k, v in decoder.state_dict().items()}
     if spec.text.tie_embeddings:

@@ -84,7 +84,15 @@ def load_vision_tower(spec: LlavaSpec, device: torch.device, dtype: torch.dtype)
     return _load(tower, spec.model_dir, "vision", device, dtype)  # type: ignore[return-value]
 
 
-def load_decoder(spec: LlavaSpec, device: torch.device, dtype: torch.dtype) -> LlamaDecoder:
+def load_decoder(spec: LlavaSpec, device: torch.device, dtype: torch.dtype, fuse: bool = True) -> LlamaDecoder:
+    """The decoder's weights; with `fuse`, q/k/v and gate/up concatenated as its forward needs."""
+    decoder = _load_decoder(spec, device, dtype)
+    if fuse:
+        decoder.fuse_projections()
+    return decoder
+
+
+def _load_decoder(spec: LlavaSpec, device: torch.device, dtype: torch.dtype) -> LlamaDecoder:
     with torch.device("meta"):
         decoder = LlamaDecoder(spec.text)
     if spec.text.tie_embeddings and not is_random(spec.model_dir):

@@ -1,17 +1,30 @@
-"""Llama-family decoder in plain PyTorch with a slot-indexed KV cache.
+"""Llama-family decoder in plain PyTorch, token-major, with attention left to the caller.
 
-Shapes: B sequences, T new tokens, S cache positions, H hidden, h heads, g kv heads,
-d head dim. The cache holds one row per engine slot; a sequence owns its slot from
-prefill to finish, which is what lets requests join and leave the batch at any step.
+Shapes: N tokens (of one or many sequences, packed), H hidden, h heads, g kv heads, d head
+dim, V vocab. The model holds no KV cache: each layer hands its queries, keys and values
+to an `attend(layer, q, k, v)` callback, which stores K/V wherever the caller keeps them
+(the llm engine's paged pool) and returns the attention output. Compilation and graph
+capture are applied from outside (services/llm/).
+
+Module names mirror the Hugging Face checkpoint so state dicts load by name;
+`fuse_projections` then concatenates q/k/v and gate/up into one matrix each (fewer, larger
+matmuls: the decode step is bound by reading weights, and one read of a wider matrix
+beats three launches of narrow ones). The forward runs on fused projections only: the
+loader fuses unless asked not to (the vLLM engine exports the unfused weights).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.model.spec import LlavaSpec, TextSpec
+
+# attend(layer index, q [N, h, d], k [N, g, d], v [N, g, d]) -> out [N, h, d]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -27,28 +40,38 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(spec: LlavaSpec, device: torch.device) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [d/2] and attention scaling for the checkpoint's RoPE type."""
+def rope_tables(spec: LlavaSpec, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_context, d] for the checkpoint's RoPE type, computed in fp32 then cast.
+
+    A position's row is what transformers computes for it, so gathering rows by position
+    gives the same values as computing them per step.
+    """
     t = spec.text
     if t.rope_type == "default":
         exponent = torch.arange(0, t.head_dim, 2, dtype=torch.int64, device=device).float() / t.head_dim
-        return 1.0 / (t.rope_theta**exponent), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        inv_freq, scaling = 1.0 / (t.rope_theta**exponent), 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[t.rope_type](spec.hf_config.text_config, device)
-    return inv_freq.float(), float(scaling)
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype):
-    """positions [B, T] -> cos, sin [B, 1, T, d] (broadcast over heads)."""
-    freqs = positions.float()[..., None] * inv_freq  # [B, T, d/2]
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[t.rope_type](spec.hf_config.text_config, device)
+        inv_freq, scaling = inv_freq.float(), float(scaling)
+    positions = torch.arange(t.max_context, device=device).float()
+    freqs = positions[:, None] * inv_freq  # [S, d/2]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return (emb.cos() * scaling).to(dtype)[:, None], (emb.sin() * scaling).to(dtype)[:, None]
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, d], cos/sin [N, d] -> x rotated (the half-split convention of Llama)."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+    return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
+
+
+def _fuse(*linears: nn.Linear) -> nn.Linear:
+    w = torch.cat([lin.weight for lin in linears])
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    fused.weight = nn.Parameter(w, requires_grad=False)
+    return fused
 
 
 class Attention(nn.Module):
@@ -60,45 +83,34 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(t.hidden, t.kv_heads * t.head_dim, bias=False)
         self.o_proj = nn.Linear(t.heads * t.head_dim, t.hidden, bias=False)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [B, T, H]
-        cos: torch.Tensor,  # [B, 1, T, d]
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,  # [slots, g, S, d]
-        v_cache: torch.Tensor,
-        slots: torch.Tensor,  # [B] cache rows
-        positions: torch.Tensor,  # [B, T]
-        kv_len: int,  # attend to cache positions [0, kv_len)
-        mask: torch.Tensor | None,  # [B, 1, T, kv_len] bool, True = attend; None = causal
-    ) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)  # [B, h, T, d]
-        k = self.k_proj(x).view(b, t, self.g, self.d).transpose(1, 2)  # [B, g, T, d]
-        v = self.v_proj(x).view(b, t, self.g, self.d).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        # Scatter the new keys/values into each sequence's cache row at its positions.
-        rows = slots[:, None].expand(b, t)
-        k_cache[rows, :, positions] = k.transpose(1, 2)
-        v_cache[rows, :, positions] = v.transpose(1, 2)
-        keys = k_cache[slots, :, :kv_len]  # [B, g, kv_len, d]
-        values = v_cache[slots, :, :kv_len]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=self.g != self.h
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.h * self.d))
+    def fuse(self) -> None:
+        self.qkv_proj = _fuse(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [N, H] -> q [N, h, d], k [N, g, d] (both rotated), v [N, g, d]."""
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.g * self.d, self.g * self.d], dim=-1)
+        q = apply_rope(q.view(n, self.h, self.d), cos, sin)
+        k = apply_rope(k.view(n, self.g, self.d), cos, sin)
+        return q, k, v.view(n, self.g, self.d)
 
 
 class MLP(nn.Module):
     def __init__(self, t: TextSpec) -> None:
         super().__init__()
+        self.intermediate = t.intermediate
         self.gate_proj = nn.Linear(t.hidden, t.intermediate, bias=False)
         self.up_proj = nn.Linear(t.hidden, t.intermediate, bias=False)
         self.down_proj = nn.Linear(t.intermediate, t.hidden, bias=False)
 
+    def fuse(self) -> None:
+        self.gate_up_proj = _fuse(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -109,9 +121,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(t.hidden, t.eps)
         self.mlp = MLP(t)
 
+    def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The residual stream x [N, H] -> q, k, v for this layer's attention."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def attn_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x [N, H] and the attention output o [N, h, d] -> the layer's output [N, H]."""
+        x = x + self.self_attn.o_proj(o.flatten(1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class LlamaDecoder(nn.Module):
-    """Token embeddings in, next-token logits out, reading and writing the KV cache."""
+    """Token embeddings in, hidden states out; `logits` applies the final norm and the head."""
 
     def __init__(self, t: TextSpec) -> None:
         super().__init__()
@@ -120,24 +141,21 @@ class LlamaDecoder(nn.Module):
         self.norm = RMSNorm(t.hidden, t.eps)
         self.lm_head = nn.Linear(t.hidden, t.vocab, bias=False)
 
-    def forward(
-        self,
-        embeds: torch.Tensor,  # [B, T, H]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,  # [layers, slots, g, S, d]
-        v_cache: torch.Tensor,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-        kv_len: int,
-        mask: torch.Tensor | None,
-        last_only: torch.Tensor,  # [B] index of the token whose logits are wanted
-    ) -> torch.Tensor:
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Concatenate q/k/v and gate/up weights (after loading: checkpoints keep them apart)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def forward(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """embeds [N, H], cos/sin [N, d] (each token's position) -> hidden [N, H]."""
         x = embeds
         for i, layer in enumerate(self.layers):
-            x = x + layer.self_attn(
-                layer.input_layernorm(x), cos, sin, k_cache[i], v_cache[i], slots, positions, kv_len, mask
-            )
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x = x[torch.arange(x.shape[0], device=x.device), last_only]  # [B, H]
-        return self.lm_head(self.norm(x)).float()  # [B, vocab]
+            q, k, v = layer.attn_in(x, cos, sin)
+            x = layer.attn_out(x, attend(i, q, k, v))
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, H] -> next-token logits [n, V] in fp32."""
+        return self.lm_head(self.norm(hidden)).float()

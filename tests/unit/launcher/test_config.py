@@ -74,6 +74,9 @@ CUSTOM = {
         vision_target="127.0.0.1:9",
         vision_port_file="/tmp/vision.ports.json",
         vllm_kv_cache_gib=2.5,
+        native=llm_config.NativeEngineConfig(
+            max_prefill_tokens=512, kv_page_size=32, kv_cache_gib=1.5, gpu_memory_utilization=0.5, enforce_eager=True
+        ),
     ),
 }
 

@@ -14,6 +14,13 @@ from services.llm.request import Finish
 from tests.helpers import PROMPTS, Parts
 
 
+def assert_idle(engine) -> None:
+    """Nothing running or waiting, every batch place and KV page free again."""
+    assert engine.stats() == EngineStats(running=0, waiting=0, free_slots=3)
+    pages = engine.scheduler.blocks
+    assert pages.free == pages.capacity
+
+
 @pytest.fixture(scope="module")
 def parts(tiny_model):
     p = Parts(tiny_model, max_batch=3)
@@ -32,7 +39,7 @@ def test_batched_equals_alone(parts):
     parts.run(*pairs)
     assert [box["ids"] for _, box in pairs] == alone
     assert all(box["finish"] is Finish.LENGTH for _, box in pairs)
-    assert parts.engine.stats() == EngineStats(running=0, waiting=0, free_slots=3)
+    assert_idle(parts.engine)
 
 
 def test_seeded_sampling_is_reproducible(parts):
@@ -72,7 +79,7 @@ def test_abort_frees_the_slot(parts):
     for _, box in pairs:
         assert box["done"].wait(30)
         assert box["finish"] is Finish.ABORT
-    assert parts.engine.stats() == EngineStats(running=0, waiting=0, free_slots=3)
+    assert_idle(parts.engine)
     ok = parts.request(0, PROMPTS[0], max_tokens=3)
     parts.run(ok)
     assert ok[1]["finish"] in (Finish.LENGTH, Finish.STOP)
@@ -141,7 +148,7 @@ def test_a_lost_lease_fails_the_request_with_failed_precondition(parts, fail_on)
     assert pair[1]["finish"] is Finish.ERROR and pair[1]["ids"] == []  # no token computed from reused memory
     assert isinstance(pair[1]["errors"][0], FailedPrecondition)
     assert leases.released == 1
-    assert parts.engine.scheduler.slots.free == parts.engine.scheduler.slots.n
+    assert_idle(parts.engine)
     after = parts.request(6, PROMPTS[1], max_tokens=4)
     parts.run(after)  # the engine keeps serving
     assert after[1]["finish"] is Finish.LENGTH
@@ -184,4 +191,4 @@ def test_realtime_overtakes_a_full_batch_of_best_effort_and_the_preempted_finish
     for (_, want), (_, got) in zip(alone, be, strict=True):
         assert got["finish"] is Finish.LENGTH and got["ids"] == want["ids"]  # recomputed, same tokens
         assert got["text"] == want["text"]
-    assert parts.engine.stats() == EngineStats(running=0, waiting=0, free_slots=3)
+    assert_idle(parts.engine)

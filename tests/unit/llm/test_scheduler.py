@@ -1,17 +1,44 @@
-"""The llm scheduler's order: class first, arrival within a class, aging against starvation, preemption."""
+"""The llm scheduler: class first, arrival within a class, aging, preemption, pages and chunked prefill."""
 
 from __future__ import annotations
 
 from services.common.qos import QosLevel, effective_class
+from services.llm.block_manager import BlockManager
+from services.llm.request import Request
 from services.llm.scheduler import Scheduler
 
 
 class FakeRequest:
-    def __init__(self, rid: str, qos: QosLevel, arrival: float) -> None:
+    """What the scheduler reads of a request, with Request's own derived properties."""
+
+    seq_len, running, prefilling = Request.seq_len, Request.running, Request.prefilling
+
+    def __init__(self, rid: str, qos: QosLevel, arrival: float, prompt: int = 10, max_new: int = 6) -> None:
         self.id, self.qos, self.arrival = rid, qos, arrival
-        self.aborted, self.slot, self.computed = False, -1, 0
+        self.prompt_ids, self.max_new = [0] * prompt, max_new
+        self.aborted, self.computed, self.prefill_target = False, 0, 0
+        self.blocks: list[int] = []
         self.output_ids: list[int] = []
         self.preempted_at: list[float] = []
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+
+def scheduler(max_batch: int, pages: int = 64, page_size: int = 4, budget: int = 10_000, **kw) -> Scheduler:
+    return Scheduler(max_batch, BlockManager(pages, page_size), budget, **kw)
+
+
+def run_plan(plan) -> None:
+    """What the runner would do: compute each chunk, decode one token."""
+    for c in plan.prefill:
+        c.req.computed = c.end
+        if c.completes:
+            c.req.output_ids.append(1)
+    for r in plan.decode:
+        r.computed += 1
+        r.output_ids.append(1)
 
 
 def drain_order(sched: Scheduler, clock: list[float], step_s: float) -> list[str]:
@@ -19,16 +46,16 @@ def drain_order(sched: Scheduler, clock: list[float], step_s: float) -> list[str
     order = []
     while sched.waiting:
         plan = sched.schedule()
-        for req in plan.prefill:
-            order.append(req.id)
-            sched.finish(req)
+        for chunk in plan.prefill:
+            order.append(chunk.req.id)
+            sched.finish(chunk.req)
         clock[0] += step_s
     return order
 
 
 def test_class_then_arrival():
     clock = [100.0]
-    sched = Scheduler(max_batch=1, aging_s=1e9, clock=lambda: clock[0])
+    sched = scheduler(max_batch=1, aging_s=1e9, clock=lambda: clock[0])
     for rid, qos, t in [
         ("be1", QosLevel.BEST_EFFORT, 1),
         ("st1", QosLevel.STANDARD, 2),
@@ -43,15 +70,15 @@ def test_class_then_arrival():
 def test_aging_keeps_best_effort_from_starving():
     """A steady stream of fresh realtime work cannot hold back an old best-effort request forever."""
     clock = [0.0]
-    sched = Scheduler(max_batch=1, aging_s=2.0, clock=lambda: clock[0])
+    sched = scheduler(max_batch=1, aging_s=2.0, clock=lambda: clock[0])
     sched.add(FakeRequest("be", QosLevel.BEST_EFFORT, 0.0))
     served_at = None
     for step in range(100):  # one new realtime request per 0.1 s step, one slot: always a backlog
         sched.add(FakeRequest(f"rt{step}", QosLevel.REALTIME, clock[0]))
-        for req in sched.schedule().prefill:
-            if req.id == "be":
+        for chunk in sched.schedule().prefill:
+            if chunk.req.id == "be":
                 served_at = clock[0]
-            sched.finish(req)
+            sched.finish(chunk.req)
         clock[0] += 0.1
     assert served_at is not None and 4.0 <= served_at <= 4.2  # competes as realtime after 2 x aging_s
 
@@ -70,41 +97,44 @@ def full_of(sched: Scheduler, clock: list[float], *specs: tuple[str, QosLevel, i
         reqs[rid] = FakeRequest(rid, qos, clock[0])
         reqs[rid].output_ids = [0] * n
         sched.add(reqs[rid])
-    assert sorted(r.id for r in sched.schedule().prefill) == sorted(reqs)
-    assert sched.slots.free == 0
+    plan = sched.schedule()
+    assert sorted(c.req.id for c in plan.prefill) == sorted(reqs)
+    run_plan(plan)
+    assert sched.free_places == 0
     return reqs
 
 
 def test_realtime_preempts_the_best_effort_request_with_least_work():
     clock = [0.0]
-    sched = Scheduler(max_batch=3, clock=lambda: clock[0])
+    sched = scheduler(max_batch=3, clock=lambda: clock[0])
     reqs = full_of(
         sched, clock, ("be-a", QosLevel.BEST_EFFORT, 9), ("st", QosLevel.STANDARD, 1), ("be-b", QosLevel.BEST_EFFORT, 4)
     )
-    for r in reqs.values():
-        r.computed = 20
     clock[0] += 0.5
     sched.add(FakeRequest("rt", QosLevel.REALTIME, clock[0]))
     plan = sched.schedule()
     assert [r.id for r in plan.preempted] == ["be-b"]  # fewer tokens generated than be-a: less to recompute
-    assert [r.id for r in plan.prefill] == ["rt"]
+    assert [c.req.id for c in plan.prefill] == ["rt"]
     assert sorted(r.id for r in plan.decode) == ["be-a", "st"]
     victim = reqs["be-b"]
-    assert victim.slot == -1 and victim.output_ids == [0] * 4  # tokens kept; its KV state is the runner's to drop
+    assert victim.blocks == [] and victim.output_ids == [0] * 4 + [1]  # tokens kept; its KV is the runner's to drop
     assert sched.waiting == 1
-    # When a slot frees, the victim resumes before later best-effort work.
+    run_plan(plan)
+    # When a place frees, the victim resumes before later best-effort work.
     sched.add(FakeRequest("be-late", QosLevel.BEST_EFFORT, clock[0]))
     sched.finish(reqs["st"])
-    assert [r.id for r in sched.schedule().prefill] == ["be-b"]
+    resumed = sched.schedule()
+    assert [r.id for r in resumed.admitted] == ["be-b"]
+    assert resumed.prefill[0].req.prefill_target == 10 + 5  # prompt and the tokens it had: recomputed
 
 
 def test_only_realtime_preempts_and_only_best_effort_is_preempted():
     clock = [0.0]
-    sched = Scheduler(max_batch=2, clock=lambda: clock[0])
+    sched = scheduler(max_batch=2, clock=lambda: clock[0])
     full_of(sched, clock, ("st", QosLevel.STANDARD, 0), ("be", QosLevel.BEST_EFFORT, 0))
     sched.add(FakeRequest("st2", QosLevel.STANDARD, clock[0]))
     assert sched.schedule().preempted == []  # standard waits for a slot
-    sched2 = Scheduler(max_batch=2, clock=lambda: clock[0])
+    sched2 = scheduler(max_batch=2, clock=lambda: clock[0])
     full_of(sched2, clock, ("st-a", QosLevel.STANDARD, 0), ("st-b", QosLevel.STANDARD, 0))
     sched2.add(FakeRequest("rt", QosLevel.REALTIME, clock[0]))
     plan = sched2.schedule()
@@ -114,9 +144,63 @@ def test_only_realtime_preempts_and_only_best_effort_is_preempted():
 def test_an_aged_best_effort_request_is_not_preempted():
     """After 2 x aging_s a best-effort request competes as realtime: it cannot be preempted again."""
     clock = [0.0]
-    sched = Scheduler(max_batch=1, aging_s=2.0, clock=lambda: clock[0])
+    sched = scheduler(max_batch=1, aging_s=2.0, clock=lambda: clock[0])
     full_of(sched, clock, ("be", QosLevel.BEST_EFFORT, 3))
     clock[0] = 4.5
     sched.add(FakeRequest("rt", QosLevel.REALTIME, clock[0]))
     plan = sched.schedule()
     assert plan.preempted == [] and plan.prefill == []
+
+
+def test_prompts_are_chunked_under_the_token_budget_and_decodes_run_every_step():
+    clock = [0.0]
+    sched = scheduler(max_batch=4, budget=16, clock=lambda: clock[0])
+    short = FakeRequest("short", QosLevel.STANDARD, 0.0, prompt=6)
+    long = FakeRequest("long", QosLevel.STANDARD, 1.0, prompt=40)
+    sched.add(short)
+    sched.add(long)
+    steps = []
+    while long.prefilling or not long.output_ids:
+        plan = sched.schedule()
+        assert sum(c.end - c.start for c in plan.prefill) <= 16
+        steps.append(([(c.req.id, c.start, c.end) for c in plan.prefill], [r.id for r in plan.decode]))
+        run_plan(plan)
+    assert steps == [
+        ([("short", 0, 6), ("long", 0, 10)], []),  # both admitted; the long prompt takes what the budget leaves
+        ([("long", 10, 26)], ["short"]),  # the short one decodes while the long one is still prefilling
+        ([("long", 26, 40)], ["short"]),
+    ]
+    assert long.output_ids == [1]  # its last chunk sampled its first token
+
+
+def test_pages_are_reserved_for_the_whole_sequence_and_a_full_pool_makes_requests_wait():
+    clock = [0.0]
+    # 9 pages of 4 positions, one reserved: 8 usable. Each request needs (10 + 6) / 4 = 4.
+    sched = scheduler(max_batch=8, pages=9, page_size=4, clock=lambda: clock[0])
+    reqs = [FakeRequest(f"r{i}", QosLevel.STANDARD, float(i)) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    plan = sched.schedule()
+    assert [r.id for r in plan.admitted] == ["r0", "r1"] and sched.waiting == 1
+    assert all(len(r.blocks) == 4 for r in plan.admitted) and sched.blocks.free == 0
+    assert len({p for r in plan.admitted for p in r.blocks}) == 8  # no page shared, page 0 never given
+    assert 0 not in {p for r in plan.admitted for p in r.blocks}
+    run_plan(plan)
+    sched.finish(reqs[0])
+    assert [r.id for r in sched.schedule().admitted] == ["r2"]
+    for r in reqs[1:]:
+        sched.finish(r)
+    assert sched.blocks.free == sched.blocks.capacity and sched.free_places == 8
+
+
+def test_realtime_preempts_best_effort_for_pages_too():
+    clock = [0.0]
+    sched = scheduler(max_batch=8, pages=9, page_size=4, clock=lambda: clock[0])  # room for two requests
+    for rid, qos in (("be", QosLevel.BEST_EFFORT), ("st", QosLevel.STANDARD)):
+        sched.add(FakeRequest(rid, qos, clock[0]))
+    run_plan(sched.schedule())
+    sched.add(FakeRequest("st2", QosLevel.STANDARD, clock[0]))
+    assert sched.schedule().admitted == []  # places are free, pages are not: it waits
+    sched.add(FakeRequest("rt", QosLevel.REALTIME, clock[0]))
+    plan = sched.schedule()
+    assert [r.id for r in plan.preempted] == ["be"] and [r.id for r in plan.admitted] == ["rt"]

@@ -1,0 +1,150 @@
+"""Attention over the paged KV pool: decode (one query per sequence) and prefill (chunks).
+
+Decode has two implementations of one interface, `DecodeAttention`:
+- `FlexDecode` (CUDA): `flex_attention` reads the pages in place. Its block mask is built
+  from the block tables on the device: every page before a sequence's last is a full block
+  (no mask evaluated), the last is a partial block whose mask keeps offsets up to the
+  query's position. Its buffers are allocated once for the largest batch, so a CUDA graph
+  captures the step and replays it with new block tables.
+- `GatherDecode` (the reference, and the CPU's): gathers each sequence's pages into a
+  contiguous [b, g, L, d] and runs SDPA with a length mask. Same function, simpler.
+
+Prefill attends per chunk with SDPA: a chunk that starts a sequence attends causally to its
+own keys (no pool read); a later chunk reads its sequence's earlier positions from the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class DecodeAttention(Protocol):
+    """How a decode step reads the pool: q [b, h, d] against each sequence's pages."""
+
+    def prepare(self, positions: torch.Tensor, tables: torch.Tensor, max_len: int) -> None:
+        """Once per step, before the layers: positions [b] (int64, the query's), tables [b, max_pages].
+
+        `max_len` bounds the positions attended (a host hint; an implementation may ignore it,
+        and a captured step must not depend on it).
+        """
+
+    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        """q [b, h, d], one layer's pool k/v [g, S, d] -> out [b, h, d]."""
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Store k, v [N, g, d] at pool positions `slots` [N] (index_put_, in place also when compiled)."""
+    k_pool[:, slots] = k.transpose(0, 1)
+    v_pool[:, slots] = v.transpose(0, 1)
+
+
+def page_slots(tables: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Pool positions of `positions` [N] in the sequences whose block tables are `tables` [N, max_pages]."""
+    page = tables.gather(1, (positions // page_size)[:, None])[:, 0]
+    return page * page_size + positions % page_size
+
+
+class GatherDecode:
+    def __init__(self, page_size: int, heads: int, kv_heads: int) -> None:
+        self.page_size, self.gqa = page_size, heads != kv_heads
+        self._slots = self._mask = None
+
+    def prepare(self, positions: torch.Tensor, tables: torch.Tensor, max_len: int) -> None:
+        pages = -(-max_len // self.page_size)
+        offsets = torch.arange(self.page_size, device=tables.device)
+        self._slots = (tables[:, :pages, None] * self.page_size + offsets).flatten(1)  # [b, L]
+        span = torch.arange(self._slots.shape[1], device=tables.device)
+        self._mask = (span[None, :] <= positions[:, None])[:, None, None, :]  # [b, 1, 1, L]
+
+    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        keys = k_pool[:, self._slots].transpose(0, 1)  # [b, g, L, d]
+        values = v_pool[:, self._slots].transpose(0, 1)
+        out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=self._mask, enable_gqa=self.gqa)
+        return out[:, :, 0]
+
+
+class FlexDecode:
+    def __init__(self, page_size: int, heads: int, kv_heads: int, n_pages: int, max_batch: int, device) -> None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # Compiled: eager flex would compute a dense score matrix over the whole pool.
+        self.flex = torch.compile(flex_attention)
+        self.page_size, self.gqa, self.n_pages = page_size, heads != kv_heads, n_pages
+        i32 = {"dtype": torch.int32, "device": device}
+        # Block-mask tensors for the largest batch; a batch of b uses rows [:b]. The index
+        # rows span the whole pool, as flex requires; only their first entries are read.
+        self.kv_num = torch.ones(max_batch, 1, 1, **i32)  # one partial (masked) block: the last page
+        self.kv_idx = torch.zeros(max_batch, 1, 1, n_pages, **i32)
+        self.full_num = torch.zeros(max_batch, 1, 1, **i32)  # the pages before it, unmasked
+        self.full_idx = torch.zeros(max_batch, 1, 1, n_pages, **i32)
+        self.last_offset = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self._masks: dict = {}
+
+    def prepare(self, positions: torch.Tensor, tables: torch.Tensor, max_len: int) -> None:
+        b, width = tables.shape
+        last = positions // self.page_size
+        self.kv_idx[:b, 0, 0, 0] = tables.gather(1, last[:, None])[:, 0].to(torch.int32)
+        self.full_num[:b, 0, 0] = last.to(torch.int32)
+        self.full_idx[:b, 0, 0, :width] = tables.to(torch.int32)
+        self.last_offset[:b] = positions % self.page_size
+        if b not in self._masks:
+            self._masks[b] = self._block_mask(b)
+
+    def _block_mask(self, b: int):
+        """The mask over the pool for a batch of b (made once per size, over the shared buffers)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        page, offset = self.page_size, self.last_offset
+
+        def in_last_page(batch, head, q_idx, kv_idx):  # evaluated on the partial block only
+            return (kv_idx % page) <= offset[batch]
+
+        return BlockMask.from_kv_blocks(
+            self.kv_num[:b],
+            self.kv_idx[:b],
+            self.full_num[:b],
+            self.full_idx[:b],
+            BLOCK_SIZE=(128, page),
+            mask_mod=in_last_page,
+            seq_lengths=(1, self.n_pages * page),
+            compute_q_blocks=False,
+        )
+
+    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        mask = self._masks[q.shape[0]]
+        return self.flex(q[:, :, None], k_pool[None], v_pool[None], block_mask=mask, enable_gqa=self.gqa)[:, :, 0]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One chunk's rows in a packed prefill: rows [row, row + length) are positions [start, start + length)."""
+
+    row: int
+    length: int
+    start: int
+    context: torch.Tensor | None  # pool positions of [0, start + length) when start > 0, else None
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, spans: list[Span]
+) -> torch.Tensor:
+    """q [N, h, d], k/v [N, g, d] (already in the pool) -> out [N, h, d], causal within each sequence."""
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    for s in spans:
+        rows = slice(s.row, s.row + s.length)
+        qi = q[rows].transpose(0, 1)[None]  # [1, h, T, d]
+        if s.context is None:  # the sequence starts here: its own keys are all it sees
+            ki, vi = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
+            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=gqa)
+        else:  # a later chunk: earlier positions come from the pool; query i sees keys up to start + i
+            ki, vi = k_pool[:, s.context][None], v_pool[:, s.context][None]
+            seen = torch.arange(s.context.shape[0], device=q.device)[None, :]
+            mask = seen <= torch.arange(s.start, s.start + s.length, device=q.device)[:, None]
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=gqa)
+        out[rows] = oi[0].transpose(0, 1)
+    return out

@@ -1,0 +1,139 @@
+"""The decode step: one token for each running sequence, over static buffers, graph-captured on CUDA.
+
+Inputs live at fixed device addresses (the front of the runner's staging buffer): tokens
+[B], positions [B], block tables [B, max_pages] and an EOS-ban flag [B], for B = the
+largest batch. A batch of n runs as the smallest captured bucket b >= n (1, 2, 4, 8, ...);
+rows n..b are padding that reads and writes only the null page. Outputs too are static:
+logits [B, V] (fp32) and greedy tokens [B], so a step allocates nothing on the device.
+
+On CUDA the two halves of a layer around its attention (norm, QKV, RoPE and the K/V store;
+then the output projection, residuals, norm and MLP) each run through one `torch.compile`d
+function: the same code for every layer, so they compile per bucket shape, not per layer,
+and inductor fuses the norms, RoPE, residuals and SiLU between the matmuls. The attention
+is `flex_attention`'s paged kernel (services/llm/attention.py). Each bucket's whole step is
+then captured in a CUDA graph and replayed: one launch per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from services.llm.attention import DecodeAttention, page_slots, write_kv
+from services.llm.kv_cache import PagedKvCache
+from services.model.llama import DecoderLayer, LlamaDecoder
+
+log = logging.getLogger(__name__)
+
+
+def attn_in(layer: DecoderLayer, x, cos, sin, k_pool, v_pool, slots) -> torch.Tensor:
+    """x [b, H] -> q [b, h, d]; this step's K/V stored at pool positions `slots` [b]."""
+    q, k, v = layer.attn_in(x, cos, sin)
+    write_kv(k_pool, v_pool, slots, k, v)
+    return q
+
+
+def attn_out(layer: DecoderLayer, x, o) -> torch.Tensor:
+    """x [b, H], attention output o [b, h, d] -> the layer's output [b, H]."""
+    return layer.attn_out(x, o)
+
+
+def ban_eos(logits: torch.Tensor, eos: torch.Tensor | None, ban: torch.Tensor) -> None:
+    """-inf on the EOS ids (eos [k]) of the rows whose flag (ban [n], int) is set: min_tokens not reached yet."""
+    if eos is None:  # a model without EOS ids: nothing to ban
+        return
+    eos_logits = logits.index_select(1, eos)
+    logits.index_copy_(1, eos, torch.where(ban[:, None].bool(), float("-inf"), eos_logits))
+
+
+def buckets_for(max_batch: int) -> list[int]:
+    """Captured batch sizes: powers of two below max_batch, and max_batch itself."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    return [*sizes, max_batch]
+
+
+class DecodeStep:
+    def __init__(
+        self,
+        model: LlamaDecoder,
+        kv: PagedKvCache,
+        attn: DecodeAttention,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [max_context, d]
+        inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # int32 device views
+        eos_ids: list[int],
+        max_batch: int,
+        compiled: bool,
+    ) -> None:
+        self.model, self.kv, self.attn, self.rope = model, kv, attn, rope
+        self.tokens, self.positions, self.tables, self.ban = inputs
+        device = self.tokens.device
+        self.eos = torch.tensor(eos_ids, dtype=torch.int64, device=device) if eos_ids else None
+        self.max_batch = max_batch
+        self.logits = torch.zeros(max_batch, model.lm_head.out_features, device=device)
+        self.greedy = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self._in: Callable = torch.compile(attn_in) if compiled else attn_in
+        self._out: Callable = torch.compile(attn_out) if compiled else attn_out
+        self.buckets = buckets_for(max_batch)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def bucket(self, n: int) -> int:
+        """The batch a step of n sequences runs as: the smallest captured size >= n (n when not captured)."""
+        if not self._graphs:
+            return n
+        return next(b for b in self.buckets if b >= n)
+
+    @torch.inference_mode()
+    def forward(self, b: int, max_len: int) -> None:
+        """Rows [:b] of the inputs -> rows [:b] of `logits` and `greedy`. Capturable: no syncs, static shapes."""
+        tokens = self.tokens[:b]
+        positions = self.positions[:b].long()
+        tables = self.tables[:b].long()
+        cos, sin = self.rope[0][positions], self.rope[1][positions]  # [b, d]
+        slots = page_slots(tables, positions, self.kv.page_size)
+        self.attn.prepare(positions, tables, max_len)
+        x = self.model.embed_tokens(tokens)  # [b, H]
+        for i, layer in enumerate(self.model.layers):
+            k_pool, v_pool = self.kv.k[i], self.kv.v[i]
+            q = self._in(layer, x, cos, sin, k_pool, v_pool, slots)
+            x = self._out(layer, x, self.attn(q, k_pool, v_pool))
+        logits = self.logits[:b]
+        logits.copy_(self.model.logits(x))
+        ban_eos(logits, self.eos, self.ban[:b])
+        torch.argmax(logits, dim=-1, out=self.greedy[:b])
+
+    def run(self, n: int, max_len: int) -> int:
+        """Run a step of n sequences (inputs filled and uploaded); returns the bucket it ran as."""
+        b = self.bucket(n)
+        graph = self._graphs.get(b)
+        if graph is None:
+            self.forward(b, max_len)
+        else:
+            graph.replay()
+        return b
+
+    def capture(self, max_len: int) -> None:
+        """Compile (on first use) and capture one graph per bucket, largest first, sharing one memory pool.
+
+        The inputs must hold valid rows (the null page: zeros do) while capturing.
+        """
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for b in sorted(self.buckets, reverse=True):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile, then run once more outside the capture
+                    self.forward(b, max_len)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.forward(b, max_len)
+            self._graphs[b] = graph
+            log.info("decode step captured for batch %d (%.1f s so far)", b, time.perf_counter() - start)
+        torch.cuda.synchronize()

@@ -1,0 +1,102 @@
+"""The paged KV pool: its tensors, and how many pages it gets at start-up.
+
+Layout: per layer, k and v [g, n_pages * page_size, d] (g kv heads, d head dim). Page p holds
+positions [p * page_size, (p + 1) * page_size) of whichever sequence owns it. Each layer's
+tensors are their own allocations (not views of one block), so a compiled decode step
+writes into them in place. `flex_attention` reads them as [1, g, S, d], the pages picked by
+a block mask built from each sequence's block table.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from services.model.spec import LlavaSpec
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+# Left free on the device after sizing: CUDA graphs, the sampler's scratch, other processes' growth.
+HEADROOM_BYTES = 2 * GIB
+
+
+@dataclass(frozen=True)
+class KvConfig:
+    page_size: int  # positions per page
+    kv_cache_gib: float  # 0: sized automatically
+    gpu_memory_utilization: float  # the share of the GPU this process may hold (weights + activations + KV)
+
+
+def page_bytes(spec: LlavaSpec, dtype: torch.dtype, page_size: int) -> int:
+    """Bytes of one page: K and V, every layer."""
+    t = spec.text
+    return 2 * t.layers * t.kv_heads * page_size * t.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def pool_pages(
+    spec: LlavaSpec, dtype: torch.dtype, device: torch.device, cfg: KvConfig, max_batch: int, own_bytes: int
+) -> int:
+    """Pages for the pool, the reserved null page included.
+
+    `--kv-cache-gib` gives the size. Otherwise, on the CPU: `max_batch` sequences of the
+    whole context. On a GPU: what `gpu_memory_utilization` of the device leaves after this
+    process's own peak so far (`own_bytes`: weights and a warm-up prefill), never more than
+    is free now less some headroom, and never more than `max_batch` full-context sequences
+    can use (a request reserves its pages at admission, so more would sit idle).
+    """
+    per_page = page_bytes(spec, dtype, cfg.page_size)
+    seq_pages = -(-spec.text.max_context // cfg.page_size)
+    useful = max_batch * seq_pages + 1
+    if cfg.kv_cache_gib > 0:
+        pages = int(cfg.kv_cache_gib * GIB) // per_page
+        source = f"--kv-cache-gib {cfg.kv_cache_gib:g}"
+    elif device.type != "cuda":
+        pages = useful
+        source = f"--max-llm-batch {max_batch} x context {spec.text.max_context}"
+    else:
+        free, total = torch.cuda.mem_get_info(device)
+        budget = min(cfg.gpu_memory_utilization * total - own_bytes, free - HEADROOM_BYTES)
+        pages = min(useful, max(0, int(budget)) // per_page)
+        source = (
+            f"--gpu-memory-utilization {cfg.gpu_memory_utilization:g} of {total / GIB:.1f} GiB, "
+            f"{own_bytes / GIB:.1f} GiB already held, {free / GIB:.1f} GiB free"
+        )
+    if pages - 1 < seq_pages:
+        raise ValueError(
+            f"the KV pool ({source}) has room for {max(0, pages - 1)} pages of {cfg.page_size} positions; one "
+            f"sequence of the model's full context ({spec.text.max_context}) needs {seq_pages}: raise "
+            "--kv-cache-gib or --gpu-memory-utilization, or lower --max-llm-batch"
+        )
+    log.info(
+        "KV pool: %d pages of %d positions (%.2f GiB, %d full-context sequences), from %s",
+        pages,
+        cfg.page_size,
+        pages * per_page / GIB,
+        (pages - 1) // seq_pages,
+        source,
+    )
+    return pages
+
+
+class PagedKvCache:
+    """k[layer], v[layer]: [g, n_pages * page_size, d] each."""
+
+    def __init__(self, spec: LlavaSpec, device: torch.device, dtype: torch.dtype, n_pages: int, page_size: int) -> None:
+        t = spec.text
+        self.n_pages, self.page_size = n_pages, page_size
+        shape = (t.kv_heads, n_pages * page_size, t.head_dim)
+        # Zeros, not empty: padding rows of a captured batch read the null page, and garbage
+        # there could hold NaN (harmless to other rows, but noisy to debug).
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(t.layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(t.layers)]
+
+    @property
+    def positions(self) -> int:
+        return self.n_pages * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))

@@ -1,0 +1,56 @@
+"""A step's host-made inputs, crossing to the device in one copy.
+
+One pinned host buffer of 32-bit words and its device twin. A step writes its ids,
+positions, block tables and sampling parameters into the host side (numpy views; floats
+share the words through a float32 view), then `upload` copies the used prefix once,
+without blocking the host. The front `fixed` words are the decode step's inputs: their
+device addresses never change, which is what a captured CUDA graph needs.
+
+The host side is rewritten only after the previous step's tokens came back (a sync that
+orders after that step's upload), so a copy in flight never reads a half-written buffer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class Staging:
+    def __init__(self, capacity: int, fixed: int, device: torch.device) -> None:
+        on_gpu = device.type == "cuda"
+        self.host = torch.zeros(capacity, dtype=torch.int32, pin_memory=on_gpu)
+        self.dev = torch.zeros(capacity, dtype=torch.int32, device=device) if on_gpu else self.host
+        self._np = self.host.numpy()
+        self.capacity, self.fixed, self._cursor = capacity, fixed, fixed
+
+    def fixed_view(self, start: int, n: int) -> tuple[np.ndarray, torch.Tensor]:
+        """Words [start, start + n) of the fixed front: (host view to write, device view to read)."""
+        return self._np[start : start + n], self.dev[start : start + n]
+
+    def ints(self, values) -> torch.Tensor:
+        """Stage int values after the fixed front; returns their device view (valid after `upload`)."""
+        n = len(values)
+        at = self._take(n)
+        self._np[at : at + n] = values
+        return self.dev[at : at + n]
+
+    def floats(self, values) -> torch.Tensor:
+        """Stage float32 values; returns their device view (valid after `upload`)."""
+        n = len(values)
+        at = self._take(n)
+        self._np[at : at + n].view(np.float32)[:] = values
+        return self.dev[at : at + n].view(torch.float32)
+
+    def _take(self, n: int) -> int:
+        at = self._cursor
+        if at + n > self.capacity:
+            raise RuntimeError(f"step inputs need {at + n} staging words, {self.capacity} allocated")
+        self._cursor += n
+        return at
+
+    def upload(self) -> None:
+        """Copy what this step staged to the device (asynchronously) and start the next step's staging."""
+        if self.dev is not self.host:
+            self.dev[: self._cursor].copy_(self.host[: self._cursor], non_blocking=True)
+        self._cursor = self.fixed

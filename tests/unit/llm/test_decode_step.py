@@ -1,0 +1,70 @@
+"""The decode step as CUDA runs it (compiled layers, flex_attention), here compiled for the CPU,
+against the eager step that gathers pages: same logits, same pool contents."""
+
+from __future__ import annotations
+
+import torch
+
+from services.llm.attention import FlexDecode, GatherDecode
+from services.llm.decode import DecodeStep, buckets_for
+from services.llm.kv_cache import PagedKvCache
+from services.model.checkpoint import load_decoder
+from services.model.llama import rope_tables
+from services.model.spec import load_spec
+
+PAGE, N_PAGES, BATCH = 8, 70, 4  # the pool holds a full context (512 positions), as pool_pages ensures
+
+
+def build(spec, compiled: bool):
+    cpu = torch.device("cpu")
+    model = load_decoder(spec, cpu, torch.float32)
+    kv = PagedKvCache(spec, cpu, torch.float32, N_PAGES, PAGE)
+    gen = torch.Generator().manual_seed(3)
+    for t in (*kv.k, *kv.v):  # earlier positions: random K/V already in the pool
+        t.copy_(torch.randn(t.shape, generator=gen))
+    width = -(-spec.text.max_context // PAGE)
+    inputs = (
+        torch.zeros(BATCH, dtype=torch.int32),
+        torch.zeros(BATCH, dtype=torch.int32),
+        torch.zeros(BATCH, width, dtype=torch.int32),
+        torch.zeros(BATCH, dtype=torch.int32),
+    )
+    t = spec.text
+    attn = (
+        FlexDecode(PAGE, t.heads, t.kv_heads, N_PAGES, BATCH, cpu)
+        if compiled
+        else GatherDecode(PAGE, t.heads, t.kv_heads)
+    )
+    step = DecodeStep(
+        model, kv, attn, rope_tables(spec, cpu, torch.float32), inputs, list(t.eos_token_ids), BATCH, compiled
+    )
+    return step, inputs, kv
+
+
+def test_compiled_flex_step_equals_the_eager_gather_step(tiny_model):
+    spec = load_spec(tiny_model)
+    tables = [[3, 9, 1], [12], [30, 31, 32, 33]]
+    positions = [17, 5, 24]
+    results = []
+    for compiled in (False, True):
+        step, (tok, pos, tab, ban), kv = build(spec, compiled)
+        for i, (row, p) in enumerate(zip(tables, positions, strict=True)):
+            tok[i], pos[i] = 7 + i, p
+            tab[i, : len(row)] = torch.tensor(row)
+        ban[1] = 1  # min_tokens not reached: its EOS may not win
+        step.forward(len(tables), max_len=max(positions) + 1)
+        written = torch.stack(
+            [kv.k[0][:, tables[i][positions[i] // PAGE] * PAGE + positions[i] % PAGE] for i in range(3)]
+        )
+        results.append((step.logits[:3].clone(), step.greedy[:3].clone(), written))
+    (logits, greedy, written), (logits_c, greedy_c, written_c) = results
+    torch.testing.assert_close(logits_c, logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(greedy_c, greedy)
+    torch.testing.assert_close(written_c, written)  # the compiled step stored its K/V in the pool, in place
+    assert torch.isinf(logits[1, list(spec.text.eos_token_ids)]).all()
+
+
+def test_buckets():
+    assert buckets_for(1) == [1]
+    assert buckets_for(8) == [1, 2, 4, 8]
+    assert buckets_for(12) == [1, 2, 4, 8, 12]
