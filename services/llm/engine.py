@@ -20,9 +20,9 @@ import time
 from services.common.errors import MeshError
 from services.common.metrics import BATCH_SIZE, KV_PAGES, KV_SLOTS, PREEMPTIONS, QUEUE_DEPTH
 from services.common.qos import QosLevel
+from services.llm.block_manager import BlockManager
 from services.llm.interface import EngineStats, Job, Leases
 from services.llm.request import Finish, Output, Request
-from services.llm.block_manager import BlockManager
 from services.llm.runner import ModelRunner
 from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS, Plan, Scheduler
 from services.llm.submit import QueuedSubmission, new_request, queued_emit

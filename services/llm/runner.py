@@ -61,12 +61,10 @@ class ModelRunner:
         # continued chunks (up to a context each), then per-row values.
         capacity = fixed + 3 * max_prefill_tokens + max_batch * t.max_context + 8 * max_batch
         self.staging = Staging(capacity, fixed, device)
-        host, dev = zip(
-            *(self.staging.fixed_view(at, n) for at, n in ((0, b), (b, b), (2 * b, b * p), (b * (2 + p), b)))
-        )
-        self._tok, self._pos, self._tab, self._ban = host
-        self._tab = self._tab.reshape(b, p)
-        tables = dev[2].view(b, p)
+        views = [self.staging.fixed_view(at, n) for at, n in ((0, b), (b, b), (2 * b, b * p), (b * (2 + p), b))]
+        self._tok, self._pos, tab, self._ban = (host for host, _ in views)
+        self._tab = tab.reshape(b, p)
+        tok, pos, tables, ban = (dev for _, dev in views)
         self._tokens_host = torch.zeros(max_batch, dtype=torch.int64, pin_memory=cuda)
         self._tokens_ready = torch.cuda.Event() if cuda else None
 
@@ -77,9 +75,8 @@ class ModelRunner:
             attn = FlexDecode(kv.page_size, t.heads, t.kv_heads, self.n_pages, max_batch, device)
         else:
             attn = GatherDecode(kv.page_size, t.heads, t.kv_heads)
-        self.decode = DecodeStep(
-            self.model, self.kv, attn, self.rope, (dev[0], dev[1], tables, dev[3]), self.eos_ids, max_batch, self.graphs
-        )
+        inputs = (tok, pos, tables.view(b, p), ban)
+        self.decode = DecodeStep(self.model, self.kv, attn, self.rope, inputs, self.eos_ids, max_batch, self.graphs)
         if self.graphs:
             self.decode.capture(max_len=kv.page_size)
         log.info(
