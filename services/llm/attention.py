@@ -72,7 +72,9 @@ class FlexDecode:
         from torch.nn.attention.flex_attention import flex_attention
 
         # Compiled: eager flex would compute a dense score matrix over the whole pool.
-        self.flex = torch.compile(flex_attention)
+        # One compile per batch bucket (dynamic=False): static shapes, and no automatic dynamic
+        # recompile, whose generated flex kernels have failed to build (the CPU template, torch 2.13).
+        self.flex = torch.compile(flex_attention, dynamic=False)
         self.page_size, self.gqa, self.n_pages = page_size, heads != kv_heads, n_pages
         i32 = {"dtype": torch.int32, "device": device}
         # Block-mask tensors for the largest batch; a batch of b uses rows [:b]. The index

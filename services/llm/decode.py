@@ -77,9 +77,12 @@ class DecodeStep:
         self.max_batch = max_batch
         self.logits = torch.zeros(max_batch, model.lm_head.out_features, device=device)
         self.greedy = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self._in: Callable = torch.compile(attn_in) if compiled else attn_in
-        self._out: Callable = torch.compile(attn_out) if compiled else attn_out
+        self._in: Callable = torch.compile(attn_in, dynamic=False) if compiled else attn_in
+        self._out: Callable = torch.compile(attn_out, dynamic=False) if compiled else attn_out
         self.buckets = buckets_for(max_batch)
+        if compiled:  # one compiled entry per bucket: keep dynamo from falling back to eager past its default 8
+            dynamo = torch._dynamo.config
+            dynamo.cache_size_limit = max(dynamo.cache_size_limit, 2 * len(self.buckets))
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def bucket(self, n: int) -> int:
