@@ -5,7 +5,8 @@ Decode has two implementations of one interface, `DecodeAttention`:
   from the block tables on the device: every page before a sequence's last is a full block
   (no mask evaluated), the last is a partial block whose mask keeps offsets up to the
   query's position. Its buffers are allocated once for the largest batch, so a CUDA graph
-  captures the step and replays it with new block tables.
+  captures the step and replays it with new block tables. Each layer runs as one
+  `torch.compile`d function around it.
 - `GatherDecode` (the reference, and the CPU's): gathers each sequence's pages into a
   contiguous [b, g, L, d] and runs SDPA with a length mask. Same function, simpler.
 
@@ -21,6 +22,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from services.model.llama import DecoderLayer
+
 
 class DecodeAttention(Protocol):
     """How a decode step reads the pool: q [b, h, d] against each sequence's pages."""
@@ -34,6 +37,28 @@ class DecodeAttention(Protocol):
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """q [b, h, d], one layer's pool k/v [g, S, d] -> out [b, h, d]."""
+
+    def run_layer(self, layer: DecoderLayer, x, cos, sin, k_pool, v_pool, slots) -> torch.Tensor:
+        """One decoder layer of the step around this attention: x [b, H] -> [b, H].
+
+        It stores the step's K/V at pool positions `slots` [b] before attending.
+        """
+
+
+def decode_layer(layer: DecoderLayer, x, cos, sin, k_pool, v_pool, slots, attend) -> torch.Tensor:
+    q, k, v = layer.attn_in(x, cos, sin)
+    write_kv(k_pool, v_pool, slots, k, v)
+    return layer.attn_out(x, attend(q, k_pool, v_pool))
+
+
+def flex_decode_layer(layer: DecoderLayer, x, cos, sin, k_pool, v_pool, slots, mask, gqa: bool) -> torch.Tensor:
+    """`decode_layer` with flex_attention inline, for torch.compile: one graph per layer call."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v = layer.attn_in(x, cos, sin)
+    write_kv(k_pool, v_pool, slots, k, v)
+    o = flex_attention(q[:, :, None], k_pool[None], v_pool[None], block_mask=mask, enable_gqa=gqa)
+    return layer.attn_out(x, o[:, :, 0])
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -66,15 +91,25 @@ class GatherDecode:
         out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=self._mask, enable_gqa=self.gqa)
         return out[:, :, 0]
 
+    def run_layer(self, layer: DecoderLayer, x, cos, sin, k_pool, v_pool, slots) -> torch.Tensor:
+        return decode_layer(layer, x, cos, sin, k_pool, v_pool, slots, self)
+
 
 class FlexDecode:
-    def __init__(self, page_size: int, heads: int, kv_heads: int, n_pages: int, max_batch: int, device) -> None:
-        from torch.nn.attention.flex_attention import flex_attention
+    def __init__(
+        self, page_size: int, heads: int, kv_heads: int, n_pages: int, max_batch: int, device, fuse_layer: bool = True
+    ) -> None:
+        """`fuse_layer`: compile each layer whole around flex (CUDA); else only flex is compiled.
 
-        # Compiled: eager flex would compute a dense score matrix over the whole pool.
-        # One compile per batch bucket (dynamic=False): static shapes, and no automatic dynamic
-        # recompile, whose generated flex kernels have failed to build (the CPU template, torch 2.13).
-        self.flex = torch.compile(flex_attention, dynamic=False)
+        Inductor's CPU flex template cannot take the query as a view of the RoPE's output
+        (torch 2.13), so the CPU tests of this path compile flex alone.
+        """
+        # Compiled once per batch bucket: static shapes (dynamic=False), and no automatic
+        # dynamic recompile, whose flex kernel failed to build (CPU, torch 2.13). The same code
+        # for every layer, so it compiles per bucket, not per layer; inductor fuses the norms,
+        # RoPE, residuals and SiLU between the matmuls.
+        self._layer = torch.compile(flex_decode_layer, dynamic=False) if fuse_layer else None
+        self._flex = None  # attention alone (__call__), compiled on first use
         self.page_size, self.gqa, self.n_pages = page_size, heads != kv_heads, n_pages
         i32 = {"dtype": torch.int32, "device": device}
         # Block-mask tensors for the largest batch; a batch of b uses rows [:b]. The index
@@ -117,8 +152,17 @@ class FlexDecode:
         )
 
     def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        if self._flex is None:  # eager flex would ignore the block mask's pages: compiled only
+            from torch.nn.attention.flex_attention import flex_attention
+
+            self._flex = torch.compile(flex_attention, dynamic=False)
         mask = self._masks[q.shape[0]]
-        return self.flex(q[:, :, None], k_pool[None], v_pool[None], block_mask=mask, enable_gqa=self.gqa)[:, :, 0]
+        return self._flex(q[:, :, None], k_pool[None], v_pool[None], block_mask=mask, enable_gqa=self.gqa)[:, :, 0]
+
+    def run_layer(self, layer: DecoderLayer, x, cos, sin, k_pool, v_pool, slots) -> torch.Tensor:
+        if self._layer is None:
+            return decode_layer(layer, x, cos, sin, k_pool, v_pool, slots, self)
+        return self._layer(layer, x, cos, sin, k_pool, v_pool, slots, self._masks[x.shape[0]], self.gqa)
 
 
 @dataclass(frozen=True)

@@ -6,39 +6,24 @@ largest batch. A batch of n runs as the smallest captured bucket b >= n (1, 2, 4
 rows n..b are padding that reads and writes only the null page. Outputs too are static:
 logits [B, V] (fp32) and greedy tokens [B], so a step allocates nothing on the device.
 
-On CUDA the two halves of a layer around its attention (norm, QKV, RoPE and the K/V store;
-then the output projection, residuals, norm and MLP) each run through one `torch.compile`d
-function: the same code for every layer, so they compile per bucket shape, not per layer,
-and inductor fuses the norms, RoPE, residuals and SiLU between the matmuls. The attention
-is `flex_attention`'s paged kernel (services/llm/attention.py). Each bucket's whole step is
-then captured in a CUDA graph and replayed: one launch per step.
+Each layer runs through its decode attention's `run_layer` (services/llm/attention.py): on
+CUDA one `torch.compile`d function around `flex_attention`'s paged kernel, the same for every
+layer, so it compiles once per bucket. Each bucket's whole step is then captured in a CUDA
+graph and replayed: one launch per step.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 
-from services.llm.attention import DecodeAttention, page_slots, write_kv
+from services.llm.attention import DecodeAttention, page_slots
 from services.llm.kv_cache import PagedKvCache
-from services.model.llama import DecoderLayer, LlamaDecoder
+from services.model.llama import LlamaDecoder
 
 log = logging.getLogger(__name__)
-
-
-def attn_in(layer: DecoderLayer, x, cos, sin, k_pool, v_pool, slots) -> torch.Tensor:
-    """x [b, H] -> q [b, h, d]; this step's K/V stored at pool positions `slots` [b]."""
-    q, k, v = layer.attn_in(x, cos, sin)
-    write_kv(k_pool, v_pool, slots, k, v)
-    return q
-
-
-def attn_out(layer: DecoderLayer, x, o) -> torch.Tensor:
-    """x [b, H], attention output o [b, h, d] -> the layer's output [b, H]."""
-    return layer.attn_out(x, o)
 
 
 def ban_eos(logits: torch.Tensor, eos: torch.Tensor | None, ban: torch.Tensor) -> None:
@@ -68,7 +53,6 @@ class DecodeStep:
         inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # int32 device views
         eos_ids: list[int],
         max_batch: int,
-        compiled: bool,
     ) -> None:
         self.model, self.kv, self.attn, self.rope = model, kv, attn, rope
         self.tokens, self.positions, self.tables, self.ban = inputs
@@ -77,12 +61,10 @@ class DecodeStep:
         self.max_batch = max_batch
         self.logits = torch.zeros(max_batch, model.lm_head.out_features, device=device)
         self.greedy = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self._in: Callable = torch.compile(attn_in, dynamic=False) if compiled else attn_in
-        self._out: Callable = torch.compile(attn_out, dynamic=False) if compiled else attn_out
         self.buckets = buckets_for(max_batch)
-        if compiled:  # one compiled entry per bucket: keep dynamo from falling back to eager past its default 8
-            dynamo = torch._dynamo.config
-            dynamo.cache_size_limit = max(dynamo.cache_size_limit, 2 * len(self.buckets))
+        # A compiled layer keeps one entry per bucket: keep dynamo from falling back to eager past its default 8.
+        dynamo = torch._dynamo.config
+        dynamo.cache_size_limit = max(dynamo.cache_size_limit, 2 * len(self.buckets))
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def bucket(self, n: int) -> int:
@@ -102,9 +84,7 @@ class DecodeStep:
         self.attn.prepare(positions, tables, max_len)
         x = self.model.embed_tokens(tokens)  # [b, H]
         for i, layer in enumerate(self.model.layers):
-            k_pool, v_pool = self.kv.k[i], self.kv.v[i]
-            q = self._in(layer, x, cos, sin, k_pool, v_pool, slots)
-            x = self._out(layer, x, self.attn(q, k_pool, v_pool))
+            x = self.attn.run_layer(layer, x, cos, sin, self.kv.k[i], self.kv.v[i], slots)
         logits = self.logits[:b]
         logits.copy_(self.model.logits(x))
         ban_eos(logits, self.eos, self.ban[:b])

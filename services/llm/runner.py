@@ -76,7 +76,7 @@ class ModelRunner:
         else:
             attn = GatherDecode(kv.page_size, t.heads, t.kv_heads)
         inputs = (tok, pos, tables.view(b, p), ban)
-        self.decode = DecodeStep(self.model, self.kv, attn, self.rope, inputs, self.eos_ids, max_batch, self.graphs)
+        self.decode = DecodeStep(self.model, self.kv, attn, self.rope, inputs, self.eos_ids, max_batch)
         if self.graphs:
             self.decode.capture(max_len=kv.page_size)
         log.info(
