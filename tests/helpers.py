@@ -208,13 +208,13 @@ CASES = [
 
 def hf_inputs(model_dir, data: bytes, prompt: str):
     """transformers' own processor on the same bytes: input_ids and pixel_values."""
-    from transformers import AutoTokenizer, LlavaProcessor
+    from transformers import AutoConfig, AutoTokenizer, LlavaProcessor
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     proc = LlavaProcessor(
         image_processor=pil_clip_processor_class().from_pretrained(model_dir),
         tokenizer=tok,
-        patch_size=8,
+        patch_size=AutoConfig.from_pretrained(model_dir).vision_config.patch_size,
         vision_feature_select_strategy="default",
         chat_template=tok.chat_template,
         num_additional_image_tokens=1,

@@ -15,9 +15,12 @@ Every admitted request counts as in flight until it is answered, whatever the ou
   preprocess + vision + prefill + decode per token x the tokens it will surely generate
   (max_tokens with ignore_eos, else min_tokens; at least 1), times the batches of
   work ahead of it (requests of its class or higher, `parallelism` at a time: lower classes
-  do not delay it, since it overtakes them in every queue). A request whose estimate exceeds
-  its class's budget, or the client's remaining deadline, would not finish in time: it is
-  told so at once instead of after the wait.
+  do not delay it, since it overtakes them in every queue). A request that would wait behind
+  at least one batch of such work, and whose estimate then exceeds its class's budget, would
+  miss the budget because of the queue: it is told so at once instead of after the wait. A
+  request with no batch ahead of it is never refused for the budget: an idle mesh serves it,
+  however slow its stages are. Against a client's remaining deadline the whole estimate
+  counts, queue or not: a request that cannot finish before its deadline is refused at once.
 
 Every refusal is RESOURCE_EXHAUSTED with google.rpc RetryInfo (when the work ahead should
 have drained), counted by class and reason. The config, its defaults and its flags:
@@ -80,7 +83,7 @@ class Admission:
                     retry,
                 )
             budget = self.cfg.budget_s(qos)
-            if estimate > budget:
+            if drain > 0 and estimate > budget:  # only queueing makes a request miss its budget
                 self._refuse(
                     qos,
                     "budget",

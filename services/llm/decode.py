@@ -66,6 +66,9 @@ class DecodeStep:
         dynamo = torch._dynamo.config
         dynamo.cache_size_limit = max(dynamo.cache_size_limit, 2 * len(self.buckets))
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Set to a list to time each step on the device: (batch, start, end) CUDA events (the
+        # events are read later, after the step's sync, so timing adds no sync of its own).
+        self.timings: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] | None = None
 
     def bucket(self, n: int) -> int:
         """The batch a step of n sequences runs as: the smallest captured size >= n (n when not captured)."""
@@ -94,10 +97,16 @@ class DecodeStep:
         """Run a step of n sequences (inputs filled and uploaded); returns the bucket it ran as."""
         b = self.bucket(n)
         graph = self._graphs.get(b)
+        if self.timings is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         if graph is None:
             self.forward(b, max_len)
         else:
             graph.replay()
+        if self.timings is not None:
+            end.record()
+            self.timings.append((b, start, end))
         return b
 
     def capture(self, max_len: int) -> None:

@@ -72,6 +72,53 @@ def build_tiny_llava(
     center_crop: bool = True,
 ) -> Path:
     """Write a random tiny LLaVA checkpoint to `out_dir` and return its path."""
+    vision = {
+        "hidden_size": vision_width,
+        "intermediate_size": vision_width * 2,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "image_size": image_size,
+        "patch_size": patch_size,
+        "projection_dim": vision_width,
+    }
+    text = {
+        "hidden_size": text_width,
+        "intermediate_size": text_width * 2,
+        "num_hidden_layers": 2,
+        # head_dim 32: vLLM's CPU attention has no kernel for 16 (the vLLM engine tests use this model).
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 512,
+    }
+    return build_llava(out_dir, vision, text, vocab_size, seed, center_crop)
+
+
+def build_preset_checkpoint(out_dir: str | Path, preset: str, text_layers: int, vision_layers: int, seed: int = 0):
+    """A named preset's shapes (services/model/presets.py) cut to a few layers, with random weights
+    saved by transformers: production-sized matrices that transformers itself can load, for
+    checking the engine against it on the GPU."""
+    from services.model.presets import PRESETS
+
+    vision = {**PRESETS[preset]["vision"], "num_hidden_layers": vision_layers}
+    text = {**PRESETS[preset]["text"], "num_hidden_layers": text_layers}
+    vocab = text.pop("vocab_size")
+    return build_llava(out_dir, vision, text, 1000, seed, center_crop=True, text_vocab=vocab)
+
+
+def build_llava(
+    out_dir: str | Path,
+    vision: dict,
+    text: dict,
+    vocab_size: int,
+    seed: int,
+    center_crop: bool,
+    text_vocab: int | None = None,
+) -> Path:
+    """Write a random LLaVA checkpoint (CLIP `vision`, Llama `text` config fields) and return its path.
+
+    `vocab_size` is the tokenizer's; the decoder's vocabulary is `text_vocab` (default: the
+    tokenizer's size), so a production-sized head can sit over a small tokenizer.
+    """
     import torch
     from transformers import (
         CLIPImageProcessor,
@@ -84,31 +131,18 @@ def build_tiny_llava(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out, vocab_size)
-    vision = CLIPVisionConfig(
-        hidden_size=vision_width,
-        intermediate_size=vision_width * 2,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        image_size=image_size,
-        patch_size=patch_size,
-        projection_dim=vision_width,
-    )
-    text = LlamaConfig(
-        hidden_size=text_width,
-        intermediate_size=text_width * 2,
-        num_hidden_layers=2,
-        # head_dim 32: vLLM's CPU attention has no kernel for 16 (the vLLM engine tests use this model).
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=len(tok),
-        max_position_embeddings=512,
+    vision_cfg = CLIPVisionConfig(**vision)
+    text_cfg = LlamaConfig(
+        **text,
+        vocab_size=text_vocab or len(tok),
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
+    image_size, patch_size = vision_cfg.image_size, vision_cfg.patch_size
     config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
+        vision_config=vision_cfg,
+        text_config=text_cfg,
         image_token_index=tok.convert_tokens_to_ids("<image>"),
         image_seq_length=(image_size // patch_size) ** 2,
         vision_feature_layer=-2,

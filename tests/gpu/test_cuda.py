@@ -24,24 +24,6 @@ def exact_fp32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
 
 
-class CudaParts(Parts):
-    def __init__(self, model_dir, max_batch: int, dtype: str) -> None:
-        from services.llm.engine import NativeEngine
-        from services.llm.runner import ModelRunner
-        from services.model.prompt import PromptBuilder
-        from services.model.spec import load_spec, resolve_dtype
-        from services.vision.encoder import VisionEncoder
-
-        spec = load_spec(model_dir)
-        device = torch.device("cuda")
-        self.prompts = PromptBuilder(spec)
-        self.vision = VisionEncoder(spec, "cuda", dtype)
-        runner = ModelRunner(spec, device, resolve_dtype(dtype, device), max_batch)
-        self.engine = NativeEngine(runner, max_batch, self.prompts, default_max_tokens=256)
-        self.engine.start()
-        self._n = 0
-
-
 def assert_greedy_under_transformers(model_dir, data: bytes, prompt: str, ids: list[int], device: str) -> None:
     """Teacher-force our tokens through transformers on `device`: each must be its argmax, or
     within float noise of it. Exact equality across devices is not a fair demand: a random
@@ -75,7 +57,7 @@ def run_all(parts, n_tokens: int) -> list[list[int]]:
 
 def test_cuda_engine_matches_cpu_engine(tiny_model):
     cpu = Parts(tiny_model, max_batch=3)
-    gpu = CudaParts(tiny_model, max_batch=3, dtype="float32")
+    gpu = Parts(tiny_model, max_batch=3, device="cuda", dtype="float32")
     try:
         assert run_all(gpu, 16) == run_all(cpu, 16)
     finally:
@@ -84,7 +66,7 @@ def test_cuda_engine_matches_cpu_engine(tiny_model):
 
 
 def test_cuda_engine_bf16_runs(tiny_model):
-    gpu = CudaParts(tiny_model, max_batch=3, dtype="bfloat16")
+    gpu = Parts(tiny_model, max_batch=3, device="cuda", dtype="bfloat16")
     try:
         outs = run_all(gpu, 16)
         assert all(len(ids) == 16 for ids in outs)

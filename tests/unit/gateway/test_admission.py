@@ -76,9 +76,31 @@ def test_estimate_counts_only_work_ahead_and_refuses_what_cannot_finish():
     with pytest.raises(ResourceExhausted) as err:
         adm.admit(ST, deadline_s=0.05, output_tokens=10)
     assert err.value.reason == "deadline"
+    # 5 s of decode, over realtime's 4 s budget, but nothing of its class ahead: an idle mesh serves it.
+    alone = [adm.admit(RT, None, output_tokens=1000) for _ in range(2)]  # 2 at a time: neither waits
     with pytest.raises(ResourceExhausted) as err:
-        adm.admit(RT, None, output_tokens=1000)  # 5 s of decode: over realtime's 4 s budget
+        adm.admit(RT, None, output_tokens=1000)  # the same behind a batch of it: refused
     assert err.value.reason == "budget"
-    assert adm.admit(BE, None, output_tokens=1000)  # best-effort's budget is 32 s
+    for h in alone:
+        adm.finish(h)
+    # 2 batches of best-effort ahead, 5.05 s each: 15 s, within best-effort's 32 s budget
+    assert adm.admit(BE, None, output_tokens=1000)
     for h in held:
         adm.finish(h)
+
+
+def test_an_idle_mesh_refuses_no_request_for_its_budget():
+    """However slow the stages were measured, nothing ahead means nothing to wait for."""
+    adm = Admission(config([], parallelism=2))
+    t = adm.admit(RT, None, 16)
+    adm.finish(t, Timings(preprocess=1.0, vision=2.0, prefill=3.0, decode=15.0), output_tokens=16)  # 7 s, budget 4 s
+    first = adm.admit(RT, None, 16)
+    second = adm.admit(RT, None, 16)  # one in flight, parallelism 2: still no batch ahead
+    with pytest.raises(ResourceExhausted) as err:
+        adm.admit(RT, None, 16)  # a whole batch ahead now
+    assert err.value.reason == "budget"
+    for h in (first, second):
+        adm.finish(h)
+    with pytest.raises(ResourceExhausted) as err:
+        adm.admit(RT, deadline_s=1.0, output_tokens=16)  # idle, but a client deadline counts the whole estimate
+    assert err.value.reason == "deadline"

@@ -1,0 +1,154 @@
+"""The native engine's decode step against the memory-bandwidth floor, on a CUDA GPU.
+
+For each batch size it runs the engine's own step (`ModelRunner.step`: staging copy, the
+captured decode graph, greedy tokens back to the host) over sequences of `--context`
+positions and reads the engine's step timer (CUDA events around each graph replay). The
+floor is the bytes one step must read (every decoder weight but the embedding table, of
+which it reads b rows, plus each sequence's K and V) over the device-to-device copy
+bandwidth measured in the same run (bytes read + written).
+
+    python -m bench.decode_step [--model preset:llava-7b-shaped] [--batches 1,8,32]
+        [--context 640] [--steps 50] [--profile] [--out decode_step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.sampling import Sampling
+from services.llm.block_manager import BlockManager
+from services.llm.kv_cache import KvConfig, page_bytes
+from services.llm.runner import ModelRunner
+from services.model.spec import load_spec
+
+GREEDY = Sampling(max_tokens=None, temperature=0.0, top_p=1.0, seed=None, stop=(), min_tokens=0, ignore_eos=True)
+
+
+@dataclass
+class Seq:
+    """What the runner reads of a decoding request."""
+
+    blocks: list[int]
+    computed: int
+    output_ids: list[int] = field(default_factory=lambda: [1])
+    sampling: Sampling = GREEDY
+
+
+def copy_bandwidth(nbytes: int = 2**31, iters: int = 20) -> float:
+    """Device-to-device copy, bytes read + written per second (median of `iters`)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(iters + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    return 2 * nbytes / statistics.median(times[3:])
+
+
+def weight_bytes(runner: ModelRunner, batch: int) -> int:
+    """What one decode step reads of the weights: all but the embedding table, and b of its rows."""
+    model = runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = model.embed_tokens.weight
+    return total - table.numel() * table.element_size() + batch * table.shape[1] * table.element_size()
+
+
+def time_batch(runner: ModelRunner, batch: int, context: int, steps: int) -> dict:
+    pages = BlockManager(runner.n_pages, runner.page_size)
+    seqs = [Seq(pages.allocate(pages.pages_for(context)), context - 1) for _ in range(batch)]
+    runner.decode.timings = []
+    wall = []
+    for _ in range(steps + 5):
+        for s in seqs:
+            s.computed = context - 1  # the same positions each step: a fixed context
+        t0 = time.perf_counter()
+        runner.step([], seqs)  # ends with the tokens on the host
+        wall.append(time.perf_counter() - t0)
+    device = [start.elapsed_time(end) / 1000 for _, start, end in runner.decode.timings[5:]]
+    runner.decode.timings = None
+    kv = batch * context * page_bytes(runner.spec, runner.dtype, runner.page_size) // runner.page_size
+    return {
+        "batch": batch,
+        "bucket": runner.decode.bucket(batch),
+        "context": context,
+        "weight_bytes": weight_bytes(runner, batch),
+        "kv_bytes": kv,
+        "device_s": statistics.median(device),
+        "wall_s": statistics.median(wall[5:]),
+    }
+
+
+def profile(runner: ModelRunner, batch: int, context: int, rows: int = 15) -> str:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    pages = BlockManager(runner.n_pages, runner.page_size)
+    seqs = [Seq(pages.allocate(pages.pages_for(context)), context - 1) for _ in range(batch)]
+    for _ in range(3):
+        runner.step([], seqs)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            for s in seqs:
+                s.computed = context - 1
+            runner.step([], seqs)
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.decode_step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="preset:llava-7b-shaped")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--batches", default="1,2,4,8,16,32")
+    p.add_argument("--context", type=int, default=640, help="positions each sequence holds (default %(default)s)")
+    p.add_argument("--steps", type=int, default=50, help="timed steps per batch size (default %(default)s)")
+    p.add_argument(
+        "--profile", action="store_true", help="print torch.profiler's kernel table at batch 1 and the largest"
+    )
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("python -m bench.decode_step needs a CUDA GPU")
+    batches = [int(b) for b in args.batches.split(",")]
+    spec = load_spec(args.model)
+    dtype = getattr(torch, args.dtype)
+    t0 = time.perf_counter()
+    print(
+        f"building the engine's runner for {spec.model_id} ({args.dtype}, batches up to {max(batches)}) ...", flush=True
+    )
+    runner = ModelRunner(spec, torch.device("cuda"), dtype, max(batches), KvConfig(128, 0.0, 0.6), 2048)
+    print(f"ready in {time.perf_counter() - t0:.1f} s (weights, warm-up, compile, graph capture)", flush=True)
+    bandwidth = copy_bandwidth()
+    results = []
+    for b in batches:
+        r = time_batch(runner, b, args.context, args.steps)
+        r["floor_s"] = (r["weight_bytes"] + r["kv_bytes"]) / bandwidth
+        results.append(r)
+        print(f"batch {b}: {r['device_s'] * 1e3:.3f} ms on the device, floor {r['floor_s'] * 1e3:.3f} ms", flush=True)
+    if args.profile:
+        for b in sorted({batches[0], batches[-1]}):
+            print(f"\nprofile, batch {b}, 10 steps:\n{profile(runner, b, args.context)}")
+    out = {"model": spec.model_id, "dtype": args.dtype, "copy_bandwidth_Bps": bandwidth, "results": results}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+    print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written); context {args.context}")
+    print("| batch | bucket | GB read | floor ms | step ms (device) | x floor | step ms (wall) | x floor |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        gb = (r["weight_bytes"] + r["kv_bytes"]) / 1e9
+        f, d, w = r["floor_s"] * 1e3, r["device_s"] * 1e3, r["wall_s"] * 1e3
+        print(f"| {r['batch']} | {r['bucket']} | {gb:.2f} | {f:.2f} | {d:.2f} | {d / f:.2f} | {w:.2f} | {w / f:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
