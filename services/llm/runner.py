@@ -18,7 +18,7 @@ import logging
 import numpy as np
 import torch
 
-from services.llm.attention import FlexDecode, GatherDecode, Span, prefill_attention, write_kv
+from services.llm.attention import FlexDecode, GatherDecode, Span, prefill_attention, prefill_in, prefill_out
 from services.llm.decode import DecodeStep, ban_eos
 from services.llm.kv_cache import KvConfig, PagedKvCache, pool_pages
 from services.llm.request import Request
@@ -54,6 +54,14 @@ class ModelRunner:
         self.eos = torch.tensor(self.eos_ids, dtype=torch.int64, device=device) if self.eos_ids else None
         cuda = device.type == "cuda"
         self.graphs = cuda and not enforce_eager
+        # Prefill: the layer halves around its attention compiled once for any token count
+        # (dynamic): inductor fuses the norms, RoPE, residuals and SiLU that eager would run
+        # as some twenty passes over [N, H] per layer. The attention between them (one SDPA
+        # per chunk) stays eager.
+        self._prefill_in, self._prefill_out = prefill_in, prefill_out
+        if self.graphs:
+            self._prefill_in = torch.compile(prefill_in, dynamic=True)
+            self._prefill_out = torch.compile(prefill_out, dynamic=True)
         # Decode inputs at fixed addresses: tokens, positions, block tables, EOS-ban flags.
         b, p = max_batch, self.max_pages
         fixed = b * (3 + p)
@@ -194,13 +202,13 @@ class ModelRunner:
         return logits
 
     def _forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, spans: list[Span]):
+        """Packed chunks x [N, H] at `positions` [N], stored at pool positions `slots` [N] -> hidden [N, H]."""
         cos, sin = self.rope[0][positions], self.rope[1][positions]
-
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            write_kv(self.kv.k[i], self.kv.v[i], slots, k, v)
-            return prefill_attention(q, k, v, self.kv.k[i], self.kv.v[i], spans)
-
-        return self.model(x, cos, sin, attend)
+        for i, layer in enumerate(self.model.layers):
+            k_pool, v_pool = self.kv.k[i], self.kv.v[i]
+            q, k, v = self._prefill_in(layer, x, cos, sin, k_pool, v_pool, slots)
+            x = self._prefill_out(layer, x, prefill_attention(q, k, v, k_pool, v_pool, spans))
+        return x
 
     def _scatter_features(self, x: torch.Tensor, chunk: Chunk, row: int) -> None:
         """Write the image features that fall inside the chunk over their placeholder embeddings."""

@@ -1,10 +1,10 @@
 """Llama-family decoder in plain PyTorch, token-major, with attention left to the caller.
 
 Shapes: N tokens (of one or many sequences, packed), H hidden, h heads, g kv heads, d head
-dim, V vocab. The model holds no KV cache: each layer hands its queries, keys and values
-to an `attend(layer, q, k, v)` callback, which stores K/V wherever the caller keeps them
-(the llm engine's paged pool) and returns the attention output. Compilation and graph
-capture are applied from outside (services/llm/).
+dim, V vocab. The model holds no KV cache: a layer is `attn_in` (norm, QKV, RoPE: the
+queries, keys and values) and `attn_out` (output projection, residuals, MLP), and the
+caller runs the attention between them over wherever it keeps K/V (the llm engine's paged
+pool). Compilation and graph capture are applied from outside (services/llm/).
 
 Module names mirror the Hugging Face checkpoint so state dicts load by name;
 `fuse_projections` then concatenates q/k/v and gate/up into one matrix each (fewer, larger
@@ -15,16 +15,11 @@ loader fuses unless asked not to (the vLLM engine exports the unfused weights).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.model.spec import LlavaSpec, TextSpec
-
-# attend(layer index, q [N, h, d], k [N, g, d], v [N, g, d]) -> out [N, h, d]
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -132,7 +127,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaDecoder(nn.Module):
-    """Token embeddings in, hidden states out; `logits` applies the final norm and the head."""
+    """Token embeddings (`embed_tokens`), the layers, and `logits`: the final norm and the head."""
 
     def __init__(self, t: TextSpec) -> None:
         super().__init__()
@@ -147,14 +142,6 @@ class LlamaDecoder(nn.Module):
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
-
-    def forward(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """embeds [N, H], cos/sin [N, d] (each token's position) -> hidden [N, H]."""
-        x = embeds
-        for i, layer in enumerate(self.layers):
-            q, k, v = layer.attn_in(x, cos, sin)
-            x = layer.attn_out(x, attend(i, q, k, v))
-        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> next-token logits [n, V] in fp32."""

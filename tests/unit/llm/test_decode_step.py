@@ -67,3 +67,31 @@ def test_buckets():
     assert buckets_for(1) == [1]
     assert buckets_for(8) == [1, 2, 4, 8]
     assert buckets_for(12) == [1, 2, 4, 8, 12]
+
+
+def test_compiled_prefill_halves_equal_eager_for_any_token_count(tiny_model):
+    """The prefill's layer halves, compiled once with a dynamic token count (as on CUDA)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from services.llm.attention import prefill_in, prefill_out
+
+    spec = load_spec(tiny_model)
+    cpu = torch.device("cpu")
+    model = load_decoder(spec, cpu, torch.float32)
+    layer = model.layers[0]
+    counter = CompileCounterWithBackend("inductor")
+    compiled_in, compiled_out = (torch.compile(f, dynamic=True, backend=counter) for f in (prefill_in, prefill_out))
+    cos_t, sin_t = rope_tables(spec, cpu, torch.float32)
+    for n in (37, 90):
+        kv = PagedKvCache(spec, cpu, torch.float32, N_PAGES, PAGE)
+        kv_c = PagedKvCache(spec, cpu, torch.float32, N_PAGES, PAGE)
+        x = torch.randn(n, spec.text.hidden)
+        pos, slots = torch.arange(n), torch.arange(n) + PAGE
+        cos, sin = cos_t[pos], sin_t[pos]
+        q, k, v = prefill_in(layer, x, cos, sin, kv.k[0], kv.v[0], slots)
+        qc, kc, vc = compiled_in(layer, x, cos, sin, kv_c.k[0], kv_c.v[0], slots)
+        for a, b in ((q, qc), (k, kc), (v, vc), (kv.k[0], kv_c.k[0]), (kv.v[0], kv_c.v[0])):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        o = torch.randn_like(q)
+        torch.testing.assert_close(compiled_out(layer, x, o), prefill_out(layer, x, o), atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 2  # one graph each for the two halves, whatever the token count
