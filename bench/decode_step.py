@@ -7,8 +7,12 @@ floor is the bytes one step must read (every decoder weight but the embedding ta
 which it reads b rows, plus each sequence's K and V) over the device-to-device copy
 bandwidth measured in the same run (bytes read + written).
 
+With `--prefill T` it also times the engine's prefill of 1 and of 3 prompts of T positions
+in one step (a W1 prompt is 608: 576 image and 32 text positions), against the compute floor
+(2 x parameters x tokens at the bf16 matmul rate of BENCHMARKS.md).
+
     python -m bench.decode_step [--model preset:llava-7b-shaped] [--batches 1,8,32]
-        [--context 640] [--steps 50] [--profile] [--out decode_step.json]
+        [--context 640] [--steps 50] [--prefill 608] [--profile] [--out decode_step.json]
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from services.common.sampling import Sampling
 from services.llm.block_manager import BlockManager
 from services.llm.kv_cache import KvConfig, page_bytes
 from services.llm.runner import ModelRunner
+from services.llm.scheduler import Chunk
 from services.model.spec import load_spec
 
+MATMUL_FLOPS = 785e12  # bf16, measured on the H200 (BENCHMARKS.md)
 GREEDY = Sampling(max_tokens=None, temperature=0.0, top_p=1.0, seed=None, stop=(), min_tokens=0, ignore_eos=True)
 
 
@@ -38,6 +44,54 @@ class Seq:
     computed: int
     output_ids: list[int] = field(default_factory=lambda: [1])
     sampling: Sampling = GREEDY
+
+
+@dataclass
+class Prompt:
+    """What the runner reads of a request being prefilled (text only: no features to scatter)."""
+
+    prompt_ids: list[int]
+    blocks: list[int]
+    computed: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    image_positions: list[int] = field(default_factory=list)
+    image_features: list = field(default_factory=list)
+    copy_features: bool = False
+    features_end: int = 0
+    sampling: Sampling = GREEDY
+
+    @property
+    def prefill_target(self) -> int:
+        return len(self.prompt_ids)
+
+
+def time_prefill(runner: ModelRunner, prompts: int, tokens: int, steps: int = 10, profile_rows: int = 0) -> dict:
+    pages = BlockManager(runner.n_pages, runner.page_size)
+    reqs = [Prompt([7] * tokens, pages.allocate(pages.pages_for(tokens))) for _ in range(prompts)]
+    wall, table = [], ""
+    for _ in range(steps + 3):
+        for r in reqs:
+            r.computed = 0
+        t0 = time.perf_counter()
+        runner.step([Chunk(r, 0, tokens) for r in reqs], [])
+        wall.append(time.perf_counter() - t0)
+    if profile_rows:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for r in reqs:
+                r.computed = 0
+            runner.step([Chunk(r, 0, tokens) for r in reqs], [])
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=profile_rows)
+    params = sum(p.numel() for p in runner.model.parameters()) - runner.model.embed_tokens.weight.numel()
+    return {
+        "prompts": prompts,
+        "tokens": tokens,
+        "wall_s": statistics.median(wall[3:]),
+        "floor_s": 2 * params * tokens * prompts / MATMUL_FLOPS,
+        "profile": table,
+    }
 
 
 def copy_bandwidth(nbytes: int = 2**31, iters: int = 20) -> float:
@@ -137,7 +191,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         for b in sorted({batches[0], batches[-1]}):
             print(f"\nprofile, batch {b}, 10 steps:\n{profile(runner, b, args.context)}")
-    out = {"model": spec.model_id, "dtype": args.dtype, "copy_bandwidth_Bps": bandwidth, "results": results}
+    rows = 15 if args.profile else 0
+    prefills = [time_prefill(runner, n, args.prefill, profile_rows=rows) for n in (1, 3)] if args.prefill else []
+    for r in prefills:
+        if r["profile"]:
+            print(f"\nprofile, prefill of {r['prompts']} x {r['tokens']}:\n{r.pop('profile')}")
+    out = {
+        "model": spec.model_id,
+        "dtype": args.dtype,
+        "copy_bandwidth_Bps": bandwidth,
+        "results": results,
+        "prefill": prefills,
+    }
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
@@ -148,6 +213,11 @@ def main(argv: list[str] | None = None) -> None:
         gb = (r["weight_bytes"] + r["kv_bytes"]) / 1e9
         f, d, w = r["floor_s"] * 1e3, r["device_s"] * 1e3, r["wall_s"] * 1e3
         print(f"| {r['batch']} | {r['bucket']} | {gb:.2f} | {f:.2f} | {d:.2f} | {d / f:.2f} | {w:.2f} | {w / f:.2f} |")
+    if prefills:
+        print("\n| prefill | positions | floor ms | step ms (wall) | x floor |\n| --- | --- | --- | --- | --- |")
+        for r in prefills:
+            f, w = r["floor_s"] * 1e3, r["wall_s"] * 1e3
+            print(f"| {r['prompts']} prompt(s) | {r['prompts'] * r['tokens']} | {f:.2f} | {w:.2f} | {w / f:.2f} |")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from services.common.config import DTYPES, READY_SIGNALS
 from services.common.validation import API_KEY_ENV, CliParser, api_key, float_in, int_in
 from services.llm import config as llm_config
 from services.llm.config import VLLM_MISSING
+from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS
 from services.vision import config as vision_config
 
 TARGETS = ("mesh", "inprocess", "hf", "hf-static", "vllm")
@@ -123,6 +124,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--max-vision-batch", type=int_in(1), default=vision_config.DEFAULT_MAX_BATCH)
     p.add_argument("--max-llm-batch", type=int_in(1), default=llm_config.DEFAULT_MAX_BATCH)
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int_in(1),
+        default=DEFAULT_MAX_PREFILL_TOKENS,
+        help="the native engine's prefill positions per step (mesh) (default %(default)s)",
+    )
     p.add_argument("--ready-signal", default="sync", choices=READY_SIGNALS, help="CUDA hand-off readiness (mesh)")
     p.add_argument(
         "--event-loop",

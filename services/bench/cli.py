@@ -172,6 +172,7 @@ def serve(name: str, args, say):
                 threads=args.threads,
                 max_vision_batch=args.max_vision_batch,
                 max_llm_batch=args.max_llm_batch,
+                max_prefill_tokens=args.max_prefill_tokens,
                 ready_signal=args.ready_signal,
                 event_loop=args.event_loop,
                 warmup_requests=4,
