@@ -165,9 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", default="1,2,4,8,16,32")
     p.add_argument("--context", type=int, default=640, help="positions each sequence holds (default %(default)s)")
     p.add_argument("--steps", type=int, default=50, help="timed steps per batch size (default %(default)s)")
-    p.add_argument(
-        "--profile", action="store_true", help="print torch.profiler's kernel table at batch 1 and the largest"
-    )
+    p.add_argument("--prefill", type=int, default=0, help="also time prefills of this many positions (0: no)")
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's kernel tables (decode, prefill)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -176,10 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     spec = load_spec(args.model)
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
-    print(
-        f"building the engine's runner for {spec.model_id} ({args.dtype}, batches up to {max(batches)}) ...", flush=True
-    )
-    runner = ModelRunner(spec, torch.device("cuda"), dtype, max(batches), KvConfig(128, 0.0, 0.6), 2048)
+    max_batch = max(*batches, 3 if args.prefill else 1)  # the 3-prompt prefill samples 3 rows
+    print(f"building the engine's runner for {spec.model_id} ({args.dtype}, batches up to {max_batch}) ...", flush=True)
+    runner = ModelRunner(spec, torch.device("cuda"), dtype, max_batch, KvConfig(128, 0.0, 0.6), 2048)
     print(f"ready in {time.perf_counter() - t0:.1f} s (weights, warm-up, compile, graph capture)", flush=True)
     bandwidth = copy_bandwidth()
     results = []

@@ -101,6 +101,8 @@ class ModelRunner:
     def step(self, chunks: list[Chunk], decodes: list[Request]) -> list[int]:
         """Run the planned chunks and decodes; return one token for each completing chunk, then each decode."""
         sampled = [c.req for c in chunks if c.completes] + decodes
+        if len(sampled) > self.max_batch:  # the scheduler runs at most max_batch sequences
+            raise ValueError(f"a step samples {len(sampled)} sequences; this runner holds {self.max_batch}")
         prefill = self._stage_prefill(chunks) if chunks else None
         if decodes:
             self._stage_decode(decodes)
