@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from services.common import eventloop
 from services.common.flags import flag
 from services.common.logs import LOG_FORMATS, LOG_LEVELS
+from services.common.memory import Watermarks, parse_watermarks
 
 # Python's GIL switch interval for processes that run an engine or batcher thread beside an
 # asyncio loop (Python's default, 5 ms, delays every result the loop relays; docs/PERF.md).
@@ -110,6 +111,15 @@ class ModelConfig:
         help="weights and activations; auto = bfloat16 on CUDA, float32 on CPU (default %(default)s)",
     )
     threads: int = flag("--threads", default=0, help="torch CPU threads; 0 = torch's default (default %(default)s)")
+    memory_watermarks: Watermarks = flag(
+        "--memory-watermarks",
+        default=Watermarks(),
+        parse=parse_watermarks,
+        text=Watermarks.text,
+        help="shares of the GPU's memory (every process on it) at which to warn, free cached memory, and "
+        "refuse best-effort requests with RESOURCE_EXHAUSTED; refuse=1 never refuses. No effect on the "
+        "CPU (default %(default)s)",
+    )
 
     def check(self) -> None:
         if self.threads < 0:

@@ -66,6 +66,14 @@ HANDOFF_FALLBACKS = Counter(
 ARENA_SLOTS = Gauge("vlmesh_arena_slots", "Feature arena slots", ["arena", "state"])
 KV_SLOTS = Gauge("vlmesh_kv_slots", "Batch places of the llm engine (running sequences)", ["state"])
 KV_PAGES = Gauge("vlmesh_kv_pages", "Pages of the llm engine's paged KV pool", ["state"])
+GPU_MEMORY_RATIO = Gauge(
+    "vlmesh_gpu_memory_used_ratio", "Share of the GPU's memory in use, by every process on it", ["service"]
+)
+MEMORY_PRESSURE = Gauge(
+    "vlmesh_memory_pressure",
+    "GPU memory watermark reached: 0 ok, 1 warn (75%), 2 shrink caches (90%), 3 refuse best-effort (95%)",
+    ["service"],
+)
 GPU_MEMORY = Gauge(
     "vlmesh_gpu_memory_bytes", "GPU memory held by this process's PyTorch allocator", ["service", "kind"]
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from services.common.config import resolve_device
+from services.common.memory import MemoryGuard
 from services.common.metrics import watch_gpu_memory
 from services.common.server import run_service, serve_until_signal, start_server
 from services.llm import config as llm_config
@@ -27,7 +28,8 @@ async def serve(cfg: llm_config.LlmConfig) -> None:
     engine = build_engine(
         cfg.engine, prompts, device, dtype, cfg.max_batch, cfg.default_max_tokens, cfg.vllm_kv_cache_gib, cfg.native
     )
-    servicer = LlmServicer(engine, spec, cfg.default_max_tokens, cfg.vision_target, cfg.vision_port_file)
+    memory = MemoryGuard.for_device("llm", device, cfg.model.memory_watermarks)
+    servicer = LlmServicer(engine, spec, cfg.default_max_tokens, cfg.vision_target, cfg.vision_port_file, memory)
     try:
         running = await start_server(
             cfg.server,

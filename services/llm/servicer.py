@@ -21,6 +21,7 @@ from services.common import metrics, rpc, telemetry
 from services.common.config import DEFAULT_HOST
 from services.common.errors import InvalidArgument, MeshError, Unavailable
 from services.common.logs import request_context
+from services.common.memory import MemoryGuard, Watermarks
 from services.common.qos import qos_from_metadata
 from services.common.timings import Timings
 from services.common.validation import check_prompt, check_sampling
@@ -45,8 +46,11 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
         default_max_tokens: int,
         vision_target: str | None,
         vision_port_file: str | None = None,
+        memory: MemoryGuard | None = None,
     ):
         self.engine = engine
+        # GPU memory watermarks: best-effort work is refused over the top one (inert on the CPU).
+        self.memory = memory or MemoryGuard("llm", None, Watermarks())
         self.spec = spec
         self.default_max_tokens = default_max_tokens
         vision = VisionPeer(vision_target, vision_port_file) if vision_target or vision_port_file else None
@@ -65,6 +69,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
                 "model.variant": "default",
             }
         )
+        self.memory.admit(qos)
         check_prompt(request.prompt)
         sampling = check_sampling(request.sampling, self.spec.text.max_context)
         if not request.image_features:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.common.memory import MemoryGuard
 from services.common.metrics import watch_gpu_memory
 from services.common.server import run_service, serve_until_signal, start_server
 from services.handoff.producer import Producer
@@ -32,7 +33,8 @@ async def serve(cfg: vision_config.VisionConfig) -> None:
     producer = Producer(encoder.feature_bytes, cfg.arena_slots, cfg.lease_ttl_s, encoder.device, cfg.ready_signal)
     batcher = VisionBatcher(encoder, cfg.max_batch)
     batcher.start()
-    servicer = VisionServicer(encoder, batcher, producer, cfg.preprocess_workers)
+    memory = MemoryGuard.for_device("vision", encoder.device, cfg.model.memory_watermarks)
+    servicer = VisionServicer(encoder, batcher, producer, cfg.preprocess_workers, memory)
     reaper = asyncio.create_task(_reap_forever(producer, max(cfg.lease_ttl_s / 4, 0.05)))
     try:
         running = await start_server(

@@ -10,6 +10,7 @@ import grpc
 
 from services.common import metrics, rpc, telemetry
 from services.common.logs import request_context
+from services.common.memory import MemoryGuard, Watermarks
 from services.common.priority_pool import PriorityPool
 from services.common.qos import qos_from_metadata
 from services.common.timings import Timings
@@ -24,8 +25,17 @@ log = logging.getLogger(__name__)
 
 
 class VisionServicer(vision_pb2_grpc.VisionServicer):
-    def __init__(self, encoder: VisionEncoder, batcher: VisionBatcher, producer: Producer, workers: int) -> None:
+    def __init__(
+        self,
+        encoder: VisionEncoder,
+        batcher: VisionBatcher,
+        producer: Producer,
+        workers: int,
+        memory: MemoryGuard | None = None,
+    ) -> None:
         self.encoder = encoder
+        # GPU memory watermarks: best-effort work is refused over the top one (inert on the CPU).
+        self.memory = memory or MemoryGuard("vision", None, Watermarks())
         self.batcher = batcher
         self.producer = producer
         self._preprocess = PriorityPool(workers, "preprocess")  # realtime images are decoded first
@@ -42,6 +52,7 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
                 "model.variant": "default",
             }
         )
+        self.memory.admit(qos)
         check_images(request.images)
         transport = self.producer.negotiate(request.consumer)  # a consumer we cannot serve fails before any work
         t0 = time.perf_counter()

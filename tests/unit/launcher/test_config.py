@@ -13,6 +13,7 @@ import pytest
 
 from services.common.config import LLM_MAX_BATCH, MESH_METRICS_PORTS, MESH_PORTS, ModelConfig, ServerConfig
 from services.common.flags import flag_defaults, flag_specs, to_argv
+from services.common.memory import Watermarks
 from services.common.qos import QosLevel
 from services.gateway import config as gateway_config
 from services.gateway.config import AdmissionConfig, GatewayConfig
@@ -25,7 +26,9 @@ from services.vision.config import VisionConfig
 MODULES = {"gateway": gateway_config, "vision": vision_config, "llm": llm_config}
 TENANTS = Path(tempfile.mkdtemp()) / "tenants.json"
 TENANTS.write_text('{"tenants": [{"id": "a", "api_keys": ["k"]}]}')
-MODEL = ModelConfig(path="/models/x", device="cpu", dtype="float32", threads=3)
+MODEL = ModelConfig(
+    path="/models/x", device="cpu", dtype="float32", threads=3, memory_watermarks=Watermarks(0.5, 0.8, 0.99)
+)
 
 
 def custom_server(port: int) -> ServerConfig:
@@ -172,10 +175,13 @@ def test_up_rejects_a_bad_service_value_with_the_services_message():
 def test_each_default_is_declared_once():
     up = vars(cli.build_parser().parse_args(["--model", "m"]))
     for name, dests in cli.PASSED_ON.items():
-        defaults = flag_defaults(cli.CONFIGS[name])
+        defaults, specs = flag_defaults(cli.CONFIGS[name]), flag_specs(cli.CONFIGS[name])
         for dest in dests:
-            if dest != "model":
-                assert up[dest] == defaults[dest] or dest in ("max_in_flight", "stage_budgets_ms", "class_budget_scale")
+            if dest == "model":
+                continue
+            parse = specs[dest].parse  # a structured flag: argparse holds its text
+            want = defaults[dest]
+            assert (parse(up[dest]) if parse else up[dest]) == want or dest == "max_in_flight"  # scales with the batch
     opts = cli.options_from_args(up)
     assert opts.llm.max_batch == llm_config.DEFAULT_MAX_BATCH == LLM_MAX_BATCH == AdmissionConfig().parallelism
     assert opts.gateway.admission == GatewayConfig().admission

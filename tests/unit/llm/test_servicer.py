@@ -248,6 +248,27 @@ def test_stop_finish_maps_to_stop(spec, producer):
     assert only.usage.output_tokens == 1 and only.usage.image_tokens == spec.image_tokens
 
 
+def test_best_effort_is_refused_over_the_memory_watermark_and_the_rest_is_served(spec, producer):
+    from services.common.memory import MemoryGuard, Watermarks
+
+    engine = FakeEngine(False, [Output("a", [3], Finish.LENGTH)])
+
+    async def main():
+        async with llm_service(spec, engine, FakeVision(producer=producer)) as (stub, servicer):
+            servicer.memory = MemoryGuard("llm", lambda: (97, 100), Watermarks())  # a GPU 97% full
+            refs = shm_refs(producer, features(spec, 1))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(generate_request(refs), metadata=(("qos-level", "best-effort"),)).read()
+            producer.release([r.lease.id for r in refs])  # as the gateway does for a refused request
+            served = [m async for m in stub.Generate(generate_request(shm_refs(producer, features(spec, 1))))]
+            return err.value, served, await eventually(lambda: producer.leased == 0)
+
+    err, served, released = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "95% watermark" in err.details()
+    assert served[-1].finish_reason == pb.FINISH_REASON_LENGTH  # standard work is not refused
+    assert released
+
+
 def test_a_refused_submit_is_invalid_argument_once_the_leases_are_back(spec, producer):
     """The status comes only after vision.Release answered (a slow one here): no slot outlives the RPC."""
     engine = FakeEngine(False, submit_error=InvalidArgument("sampling.max_tokens=4 does not fit"))

@@ -55,11 +55,11 @@ def me(consumer: Consumer, accept=None) -> pb.ConsumerInfo:
 
 
 @contextlib.asynccontextmanager
-async def vision_service(encoder: VisionEncoder, producer: Producer):
+async def vision_service(encoder: VisionEncoder, producer: Producer, memory=None):
     """A stub of the real VisionServicer on a local port (batcher started on this loop, stopped after)."""
     batcher = VisionBatcher(encoder, max_batch=4)
     batcher.start()
-    servicer = VisionServicer(encoder, batcher, producer, workers=1)
+    servicer = VisionServicer(encoder, batcher, producer, workers=1, memory=memory)
     try:
         async with local_server(vision_pb2_grpc.add_VisionServicer_to_server, servicer) as target:
             async with grpc.aio.insecure_channel(target) as channel:
@@ -103,6 +103,25 @@ def test_encode_exports_each_picture_s_features_into_leased_slots(encoder, produ
     assert producer.leased == 0
     with pytest.raises(FailedPrecondition, match="stale"):
         consumer.open(refs[:1])
+
+
+def test_best_effort_is_refused_over_the_memory_watermark_before_any_work(encoder, producer, consumer):
+    from services.common.memory import MemoryGuard, Watermarks
+
+    full = MemoryGuard("vision", lambda: (96, 100), Watermarks())  # a GPU 96% full
+
+    async def main():
+        async with vision_service(encoder, producer, memory=full) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Encode(encode_request(me(consumer)), metadata=(("qos-level", "best-effort"),), timeout=30)
+            served = await stub.Encode(encode_request(me(consumer)), metadata=(("qos-level", "standard"),), timeout=30)
+            return err.value, served
+
+    err, served = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "watermark" in err.details()
+    assert len(served.features) == 2  # standard work is served; the refused request leased nothing
+    assert producer.leased == 2
+    producer.release([r.lease.id for r in served.features])
 
 
 def test_a_consumer_on_another_host_gets_inline_bytes(encoder, producer, consumer):
