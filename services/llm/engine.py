@@ -156,11 +156,11 @@ class NativeEngine:
             if c.req.leases and c.req.computed >= c.req.features_end and self._leases_hold(c.req, 0):
                 c.req.drop_leases()  # read, and not reused while it was read
         done = time.perf_counter()
-        sampled = [c.req for c in chunks if c.completes] + decodes
-        for req in sampled[: len(sampled) - len(decodes)]:
-            if not req.prefill_done_at:
+        completed = [c.req for c in chunks if c.completes]  # the runner's tokens: these, then the decodes
+        for req in completed:
+            if not req.prefill_done_at:  # a resumed request keeps its first prefill's clock
                 req.prefill_done_at = done
-        self._postprocess(sampled, tokens)
+        self._postprocess(completed + decodes, tokens)
 
     def _leases_hold(self, req: Request, start: int) -> bool:
         """Verify the leases of features read from position `start` on; a lost lease fails the request."""

@@ -103,6 +103,7 @@ class ModelRunner:
         sampled = [c.req for c in chunks if c.completes] + decodes
         if len(sampled) > self.max_batch:  # the scheduler runs at most max_batch sequences
             raise ValueError(f"a step samples {len(sampled)} sequences; this runner holds {self.max_batch}")
+        self.staging.begin()
         prefill = self._stage_prefill(chunks) if chunks else None
         if decodes:
             self._stage_decode(decodes)
@@ -117,10 +118,9 @@ class ModelRunner:
             logits.append(self.decode.logits[: len(decodes)])
         if not sampled:
             tokens = None
-        elif greedy and not prefill:
-            tokens = self.decode.greedy[: len(decodes)]
-        elif greedy:
-            tokens = torch.cat([lg.argmax(-1) for lg in logits])
+        elif greedy:  # the decode rows' argmax was taken inside the captured step
+            decoded = self.decode.greedy[: len(decodes)]
+            tokens = torch.cat([logits[0].argmax(-1), decoded]) if prefill else decoded
         else:
             gens = [None if r.sampling.greedy else r.generator for r in sampled]
             any_top_p = any(r.sampling.top_p < 1.0 for r in sampled)

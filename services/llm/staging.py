@@ -1,8 +1,8 @@
 """A step's host-made inputs, crossing to the device in one copy.
 
-One pinned host buffer of 32-bit words and its device twin. A step writes its ids,
-positions, block tables and sampling parameters into the host side (numpy views; floats
-share the words through a float32 view), then `upload` copies the used prefix once,
+One pinned host buffer of 32-bit words and its device twin. A step starts with `begin`,
+writes its ids, positions, block tables and sampling parameters into the host side (numpy
+views; floats share the words through a float32 view), then `upload` copies the used prefix once,
 without blocking the host. The front `fixed` words are the decode step's inputs: their
 device addresses never change, which is what a captured CUDA graph needs.
 
@@ -49,8 +49,11 @@ class Staging:
         self._cursor += n
         return at
 
+    def begin(self) -> None:
+        """Start a step's staging (also after a step that failed half-way through its own)."""
+        self._cursor = self.fixed
+
     def upload(self) -> None:
-        """Copy what this step staged to the device (asynchronously) and start the next step's staging."""
+        """Copy what this step staged to the device, asynchronously."""
         if self.dev is not self.host:
             self.dev[: self._cursor].copy_(self.host[: self._cursor], non_blocking=True)
-        self._cursor = self.fixed

@@ -192,3 +192,23 @@ def test_realtime_overtakes_a_full_batch_of_best_effort_and_the_preempted_finish
         assert got["finish"] is Finish.LENGTH and got["ids"] == want["ids"]  # recomputed, same tokens
         assert got["text"] == want["text"]
     assert_idle(parts.engine)
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(parts, monkeypatch):
+    runner = parts.engine.runner
+    real = runner._stage_prefill
+
+    def broken(chunks):
+        real(chunks)  # staged half a step's inputs, then failed
+        raise RuntimeError("device lost its mind")
+
+    monkeypatch.setattr(runner, "_stage_prefill", broken)
+    failed = [parts.request(8, PROMPTS[0], max_tokens=4) for _ in range(150)]  # more than the staging holds
+    parts.run(*failed)
+    assert all(box["finish"] is Finish.ERROR for _, box in failed)
+    monkeypatch.setattr(runner, "_stage_prefill", real)
+    for _ in range(3):  # staging starts afresh each step: no leftovers from the failed ones
+        ok = parts.request(8, PROMPTS[0], max_tokens=4)
+        parts.run(ok)
+        assert ok[1]["finish"] is Finish.LENGTH
+    assert_idle(parts.engine)
