@@ -92,11 +92,3 @@ class PagedKvCache:
         # there could hold NaN (harmless to other rows, but noisy to debug).
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(t.layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(t.layers)]
-
-    @property
-    def positions(self) -> int:
-        return self.n_pages * self.page_size
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))

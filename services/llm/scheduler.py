@@ -92,10 +92,6 @@ class Scheduler:
     def free_places(self) -> int:
         return self.max_batch - len(self.running)
 
-    def fits(self, req: Request) -> bool:
-        """Whether the pool could ever hold this request's whole sequence."""
-        return self.blocks.pages_for(self._tokens(req)) <= self.blocks.capacity
-
     def schedule(self) -> Plan:
         plan = Plan()
         budget = self.max_prefill_tokens
