@@ -1,8 +1,10 @@
 """Image bytes -> normalised pixels, as `CLIPImageProcessor` does for this checkpoint.
 
 Configured by the checkpoint's preprocessor_config.json: resize (shortest edge or a
-fixed size, Pillow resampling), optional center crop, rescale, normalise. Pillow and
-numpy only; tests compare against transformers' own processor.
+fixed size, Pillow resampling), optional center crop (`crop`: Pillow and numpy, uint8),
+then rescale and normalise (`normalize`: torch, on whichever device the pixels are). The
+resize stays in Pillow: no float resize reproduces its rounded uint8 output, and tests
+compare against transformers' own processor to 1e-5.
 """
 
 from __future__ import annotations
@@ -122,8 +124,8 @@ def _center_crop(arr: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     return arr[top : top + ch, left : left + cw]
 
 
-def preprocess(img: Image.Image, cfg: ImageProcessorConfig) -> torch.Tensor:
-    """PIL image -> pixels [3, S, S] float32."""
+def crop(img: Image.Image, cfg: ImageProcessorConfig) -> torch.Tensor:
+    """PIL image -> its resized, center-cropped pixels [S, S, 3] uint8 (what Pillow computes)."""
     if cfg.do_convert_rgb and img.mode != "RGB":
         img = img.convert("RGB")
     if cfg.do_resize:
@@ -137,8 +139,25 @@ def preprocess(img: Image.Image, cfg: ImageProcessorConfig) -> torch.Tensor:
     arr = np.asarray(img)  # [h, w, 3] uint8
     if cfg.do_center_crop:
         arr = _center_crop(arr, cfg.crop_hw)
-    out = arr.astype(np.float64) * cfg.rescale_factor if cfg.do_rescale else arr.astype(np.float64)
-    out = out.astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def normalize(pixels: torch.Tensor, cfg: ImageProcessorConfig) -> torch.Tensor:
+    """uint8 pixels [..., S, S, 3] -> float32 [..., 3, S, S], rescaled and normalised, on their device.
+
+    The arithmetic is transformers' (rescale in float64, then float32), so the result is the
+    processor's to the last bit or two on any device; the vision encoder runs it where the ViT
+    runs, after a copy of a quarter of the bytes the float pixels would take.
+    """
+    out = pixels.to(torch.float64) * cfg.rescale_factor if cfg.do_rescale else pixels.to(torch.float64)
+    out = out.to(torch.float32)
     if cfg.do_normalize:
-        out = (out - np.asarray(cfg.mean, dtype=np.float32)) / np.asarray(cfg.std, dtype=np.float32)
-    return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1)))
+        mean = torch.tensor(cfg.mean, dtype=torch.float32, device=out.device)
+        std = torch.tensor(cfg.std, dtype=torch.float32, device=out.device)
+        out = (out - mean) / std
+    return out.movedim(-1, -3).contiguous()
+
+
+def preprocess(img: Image.Image, cfg: ImageProcessorConfig) -> torch.Tensor:
+    """PIL image -> pixels [3, S, S] float32: `crop`, then `normalize`."""
+    return normalize(crop(img, cfg), cfg)

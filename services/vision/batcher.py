@@ -96,7 +96,7 @@ class VisionBatcher:
                 if not batch:
                     continue
                 start = time.perf_counter()
-                pixels = torch.stack([item.pixels for item in batch])  # [B, 3, S, S]
+                pixels = torch.stack([item.pixels for item in batch])  # [B, S, S, 3] uint8
                 try:
                     feats = await loop.run_in_executor(self._executor, self.encoder.encode, pixels)
                 except Exception as err:  # a model failure fails this batch, not the server

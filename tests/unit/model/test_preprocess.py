@@ -6,10 +6,11 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from services.common.errors import InvalidArgument
-from services.model.preprocess import ImageProcessorConfig, decode_image, preprocess
+from services.model.preprocess import ImageProcessorConfig, crop, decode_image, normalize, preprocess
 from tests.helpers import pil_clip_processor_class
 
 
@@ -71,3 +72,20 @@ def test_formats_pillow_reads(fmt):
     buf = io.BytesIO()
     picture(40, 30).save(buf, format=fmt)
     assert decode_image(buf.getvalue()).size == (40, 30)
+
+
+def test_normalizing_uint8_pixels_in_torch_is_the_processors_arithmetic(tmp_path):
+    """`crop` then `normalize` (what the vision encoder runs, the second on its device) equals the
+    whole preprocessing, and transformers', for a batch too."""
+    hf = pil_clip_processor_class()(**CONFIGS["llava-336"])
+    hf.save_pretrained(tmp_path)
+    cfg = ImageProcessorConfig.load(tmp_path, 336)
+    imgs = [picture(300, 120, seed=1), picture(40, 97, seed=2)]
+    crops = torch.stack([crop(img, cfg) for img in imgs])
+    assert crops.dtype == torch.uint8 and crops.shape == (2, 336, 336, 3)
+    batch = normalize(crops, cfg)
+    assert batch.shape == (2, 3, 336, 336) and batch.dtype == torch.float32
+    for img, got in zip(imgs, batch, strict=True):
+        ref = hf(images=img, return_tensors="pt")["pixel_values"][0]
+        assert (got - ref).abs().max().item() < 1e-5
+        assert torch.equal(got, preprocess(img, cfg))
