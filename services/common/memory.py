@@ -3,8 +3,8 @@ caches at 90%, refuse best-effort work at 95%.
 
 The share is of the whole device (every process on it: vision and llm share one GPU), read
 from the driver at most every `interval_s`. Crossing a watermark upwards is logged once; at the
-shrink watermark the service frees what it caches (PyTorch's cached blocks, and whatever the
-service adds), once per crossing; at the refuse watermark best-effort requests get
+shrink watermark the service frees what it caches (PyTorch's cached blocks), once per
+crossing; at the refuse watermark best-effort requests get
 RESOURCE_EXHAUSTED with retry info, counted as rejections for `memory`. Realtime and standard
 work is never refused here. Gauges: `vlmesh_gpu_memory_used_ratio` and
 `vlmesh_memory_pressure` (0 ok, 1 warn, 2 shrink, 3 refuse).
@@ -96,18 +96,14 @@ class MemoryGuard:
             MEMORY_PRESSURE.labels(service).set_function(lambda: self.sample()[1])
 
     @classmethod
-    def for_device(cls, service: str, device, marks: Watermarks, shrink: Callable[[], None] | None = None):
-        """The guard of a service on `device`: watching the GPU on CUDA, inert on the CPU."""
+    def for_device(cls, service: str, device, marks: Watermarks):
+        """The guard of a service on `device`: watching the GPU on CUDA (shrinking frees PyTorch's
+        cached blocks), inert on the CPU."""
         if getattr(device, "type", "cpu") != "cuda":
             return cls(service, None, marks)
         import torch
 
-        def free_cached() -> None:
-            torch.cuda.empty_cache()
-            if shrink is not None:
-                shrink()
-
-        return cls(service, cuda_probe(device), marks, free_cached)
+        return cls(service, cuda_probe(device), marks, torch.cuda.empty_cache)
 
     def sample(self) -> tuple[float, int]:
         """(share of the device in use, level), read anew when the last reading is `interval_s` old."""

@@ -51,14 +51,12 @@ class DecodeStep:
         attn: DecodeAttention,
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [max_context, d]
         inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # int32 device views
-        eos_ids: list[int],
+        eos: torch.Tensor | None,  # the model's EOS ids [k] on the device; None when it has none
         max_batch: int,
     ) -> None:
-        self.model, self.kv, self.attn, self.rope = model, kv, attn, rope
+        self.model, self.kv, self.attn, self.rope, self.eos = model, kv, attn, rope, eos
         self.tokens, self.positions, self.tables, self.ban = inputs
         device = self.tokens.device
-        self.eos = torch.tensor(eos_ids, dtype=torch.int64, device=device) if eos_ids else None
-        self.max_batch = max_batch
         self.logits = torch.zeros(max_batch, model.lm_head.out_features, device=device)
         self.greedy = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.buckets = buckets_for(max_batch)
@@ -95,8 +93,8 @@ class DecodeStep:
         ban_eos(logits, self.eos, self.ban[:b])
         torch.argmax(logits, dim=-1, out=self.greedy[:b])
 
-    def run(self, n: int, max_len: int) -> int:
-        """Run a step of n sequences (inputs filled and uploaded); returns the bucket it ran as."""
+    def run(self, n: int, max_len: int) -> None:
+        """Run a step of n sequences (inputs filled and uploaded), as its bucket."""
         b = self.bucket(n)
         graph = self._graphs.get(b)
         if self.timings is not None:
@@ -109,7 +107,6 @@ class DecodeStep:
         if self.timings is not None:
             end.record()
             self.timings.append((b, start, end))
-        return b
 
     def capture(self, max_len: int) -> None:
         """Compile (on first use) and capture one graph per bucket, largest first, sharing one memory pool.

@@ -50,8 +50,8 @@ class ModelRunner:
         self.max_pages = -(-t.max_context // kv.page_size)  # block-table width
         self.model = load_decoder(spec, device, dtype)
         self.rope = rope_tables(spec, device, dtype)
-        self.eos_ids = list(t.eos_token_ids)
-        self.eos = torch.tensor(self.eos_ids, dtype=torch.int64, device=device) if self.eos_ids else None
+        eos = list(t.eos_token_ids)
+        self.eos = torch.tensor(eos, dtype=torch.int64, device=device) if eos else None  # banned under min_tokens
         cuda = device.type == "cuda"
         self.graphs = cuda and not enforce_eager
         # Prefill: the layer halves around its attention compiled once for any token count
@@ -84,7 +84,7 @@ class ModelRunner:
         else:
             attn = GatherDecode(kv.page_size, t.heads, t.kv_heads)
         inputs = (tok, pos, tables.view(b, p), ban)
-        self.decode = DecodeStep(self.model, self.kv, attn, self.rope, inputs, self.eos_ids, max_batch)
+        self.decode = DecodeStep(self.model, self.kv, attn, self.rope, inputs, self.eos, max_batch)
         if self.graphs:
             self.decode.capture(max_len=kv.page_size)
         log.info(

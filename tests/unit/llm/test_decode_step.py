@@ -36,7 +36,9 @@ def build(spec, compiled: bool):
         if compiled
         else GatherDecode(PAGE, t.heads, t.kv_heads)
     )
-    step = DecodeStep(model, kv, attn, rope_tables(spec, cpu, torch.float32), inputs, list(t.eos_token_ids), BATCH)
+    step = DecodeStep(
+        model, kv, attn, rope_tables(spec, cpu, torch.float32), inputs, torch.tensor(t.eos_token_ids), BATCH
+    )
     return step, inputs, kv
 
 
