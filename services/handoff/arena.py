@@ -13,6 +13,13 @@ per arena and checks every reference against it: the offset must be a slot start
 size must fit, the slot's lease id must be the reference's (before and after the copy,
 a seqlock) with time left before its expiry, and the heartbeat must be fresh, which tells
 a live producer from one that died (its memory may be gone).
+
+The heartbeat and the expiries are the producer's CLOCK_MONOTONIC readings. A consumer
+compares them with its own clock only as a fast path: when a beat looks stale it watches for
+a few periods whether the beat still moves, and learns the offset between the two clocks if
+it does. A clock that jumped (a paused virtual machine resumed: the consumer can look before
+the producer's heartbeat thread has run) or that differs from the producer's is then no
+false "stopped"; only a beat that stands still is.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ _TABLE_OFFSET = 64
 _ALIGN = 4096
 HEARTBEAT_PERIOD_S = 0.25
 HEARTBEAT_STALE_S = 3.0  # no heartbeat for this long: the producer is gone
+_WATCH_S = 2 * HEARTBEAT_PERIOD_S + 0.1  # how long a stale-looking beat is watched for a move
 EXPIRY_MARGIN_S = 0.5  # refuse a lease this close to expiry: the slot could be reclaimed mid-copy
 
 
@@ -157,6 +165,34 @@ class ArenaView:
                 f"feature arena {name!r} has layout version {version}, this process reads {VERSION}"
             )
         self.name = name
+        self._skew = 0.0  # this process's clock minus the producer's, learned from a moving beat
+        self._still_beat: float | None = None  # a beat that was watched and did not move
+
+    def _producer_now(self) -> float:
+        """The producer's clock, as this process estimates it."""
+        return time.monotonic() - self._skew
+
+    def _beat(self) -> float:
+        return struct.unpack_from("<d", self.shm.buf, _HEARTBEAT_OFFSET)[0]
+
+    def _check_alive(self) -> None:
+        beat = self._beat()
+        if self._producer_now() - beat <= HEARTBEAT_STALE_S:
+            return
+        if beat != self._still_beat:
+            # Stale by this clock: a dead producer, or clocks that disagree. Watch the beat.
+            watch_until = time.monotonic() + _WATCH_S
+            while time.monotonic() < watch_until:
+                time.sleep(HEARTBEAT_PERIOD_S / 5)
+                moved = self._beat()
+                if moved != beat:
+                    self._skew = time.monotonic() - moved
+                    return
+            self._still_beat = beat  # later checks fail at once until it moves again
+        raise Unavailable(
+            f"the vision process that owns feature arena {self.name!r} stopped "
+            f"(no heartbeat for {self._producer_now() - beat:.1f}s)"
+        )
 
     def slot(self, offset: int, nbytes: int) -> int:
         """The slot a reference points at; FAILED_PRECONDITION when it is not exactly one slot's start."""
@@ -174,16 +210,11 @@ class ArenaView:
 
     def check(self, slot: int, lease_id: int, margin_s: float = EXPIRY_MARGIN_S) -> None:
         """The lease is live and the producer too; else FAILED_PRECONDITION or UNAVAILABLE."""
-        (heartbeat,) = struct.unpack_from("<d", self.shm.buf, _HEARTBEAT_OFFSET)
-        age = time.monotonic() - heartbeat
-        if age > HEARTBEAT_STALE_S:
-            raise Unavailable(
-                f"the vision process that owns feature arena {self.name!r} stopped (no heartbeat for {age:.1f}s)"
-            )
+        self._check_alive()
         held_by, expires = _ENTRY.unpack_from(self.shm.buf, _entry_offset(slot))
         if lease_id == 0 or held_by != lease_id:
             raise FailedPrecondition("tensor reference is stale: its lease was released, expired or never issued")
-        if expires - time.monotonic() < margin_s:
+        if expires - self._producer_now() < margin_s:
             raise FailedPrecondition("tensor reference is about to expire: ask the vision service again")
 
     def close(self) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -109,6 +112,72 @@ def test_dead_producer_is_unavailable(arena, monkeypatch):
     time.sleep(1.0)
     with pytest.raises(Unavailable, match="no heartbeat"):
         read(arena.name, offset, 256, lease.id)
+
+
+def test_dead_producer_fails_fast_after_the_first_watch(arena, monkeypatch):
+    """A beat watched once and found still is not watched again on every read."""
+    lease, offset = arena.write(torch.ones(64))
+    monkeypatch.setattr(arena_mod, "HEARTBEAT_STALE_S", 0.6)
+    arena._stop.set()
+    time.sleep(1.0)
+    view = ArenaView(arena.name)
+    try:
+        with pytest.raises(Unavailable):
+            read_host(view, offset, 256, lease.id, torch.float32, [64])
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable):
+            read_host(view, offset, 256, lease.id, torch.float32, [64])
+        assert time.monotonic() - t0 < 0.1
+    finally:
+        view.close()
+
+
+def _beat_with(arena, value: float) -> None:
+    struct.pack_into("<d", arena.shm.buf, arena_mod._HEARTBEAT_OFFSET, value)
+
+
+def test_a_beat_that_looks_old_but_moves_is_alive(arena):
+    """A clock that jumped (a paused VM resumed before the producer's heartbeat thread ran)
+    shows an old beat: the consumer watches it move and reads, instead of saying "stopped"."""
+    t = torch.arange(64, dtype=torch.float32)
+    lease, offset = arena.write(t)
+    _beat_with(arena, 0.0)  # as CI once saw: a beat 7,898 s behind the reader's clock
+    assert torch.equal(read(arena.name, offset, 256, lease.id), t)
+
+
+def test_a_producer_whose_clock_differs_is_alive(arena):
+    """Expiries and beats are the producer's clock; an offset to the reader's is learned once."""
+    arena._stop.set()
+    arena._beat.join()
+    skew = 7898.0
+    stop = threading.Event()
+
+    def beat() -> None:  # the producer's clock runs `skew` behind the reader's
+        while not stop.wait(arena_mod.HEARTBEAT_PERIOD_S):
+            _beat_with(arena, time.monotonic() - skew)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    time.sleep(2 * arena_mod.HEARTBEAT_PERIOD_S)  # the skewed beat has replaced the last true one
+    try:
+        t = torch.arange(64, dtype=torch.float32)
+        lease, offset = arena.write(t)
+        arena.publish(dataclasses.replace(lease, expires_at=time.monotonic() - skew + 30))
+        view = ArenaView(arena.name)
+        try:
+            assert torch.equal(read_host(view, offset, 256, lease.id, torch.float32, [64]), t)
+            t0 = time.monotonic()
+            read_host(view, offset, 256, lease.id, torch.float32, [64])
+            assert time.monotonic() - t0 < 0.1  # learned: no second watch
+            # and an expiry is still judged on the producer's clock
+            arena.publish(dataclasses.replace(lease, expires_at=time.monotonic() - skew + 0.2))
+            with pytest.raises(FailedPrecondition, match="about to expire"):
+                read_host(view, offset, 256, lease.id, torch.float32, [64])
+        finally:
+            view.close()
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_another_process_reads_and_does_not_unlink(arena):
