@@ -29,8 +29,12 @@ from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, vision_pb2, vision_pb2_grpc
 
 if TYPE_CHECKING:
+    import torch
+
+    from services.handoff.consumer import Consumer
     from services.handoff.producer import Producer
     from services.llm.request import Request
+    from services.vision.encoder import VisionEncoder
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root."""
@@ -358,3 +362,39 @@ def demo_answers(seed: int, n: int, max_tokens: int = 8) -> tuple[list, list[tup
             await pipeline.close()
 
     return pics, jobs, asyncio.run(answer())
+
+
+# --- the vision servicer in this process (tests/unit/vision) ---
+
+
+def vision_reference(encoder: VisionEncoder, data: bytes) -> torch.Tensor:
+    """The features of one picture encoded alone, without the service: [image_tokens, H]."""
+    return encoder.encode(encoder.pixels(data)[None])[0]
+
+
+def consumer_info(consumer: Consumer, accept=None) -> pb.ConsumerInfo:
+    return pb.ConsumerInfo(host_id=consumer.host, gpu_uuid=consumer.gpu_uuid, accept=accept or consumer.transports)
+
+
+@contextlib.asynccontextmanager
+async def vision_service(encoder: VisionEncoder, producer: Producer, memory=None):
+    """A stub of the real VisionServicer on a local port (batcher started on this loop, stopped after)."""
+    from services.vision.batcher import VisionBatcher
+    from services.vision.servicer import VisionServicer
+
+    batcher = VisionBatcher(encoder, max_batch=4)
+    batcher.start()
+    servicer = VisionServicer(encoder, batcher, producer, workers=1, memory=memory)
+    try:
+        async with local_server(vision_pb2_grpc.add_VisionServicer_to_server, servicer) as target:
+            async with grpc.aio.insecure_channel(target) as channel:
+                yield vision_pb2_grpc.VisionStub(channel)
+    finally:
+        await batcher.stop()
+        servicer.close()
+
+
+def encode_request(consumer_info: pb.ConsumerInfo, pictures: list[bytes]) -> vision_pb2.EncodeRequest:
+    return vision_pb2.EncodeRequest(
+        request_id="v-1", images=[pb.Image(data=d) for d in pictures], consumer=consumer_info
+    )

@@ -68,7 +68,8 @@ def _entry_offset(slot: int) -> int:
 class ArenaTable:
     """Producer side: owns the header segment, the leases and the heartbeat."""
 
-    def __init__(self, slot_bytes: int, n_slots: int, ttl_s: float, location: int) -> None:
+    def __init__(self, slot_bytes: int, n_slots: int, ttl_s: float, location: int, keep_limit: int = 0) -> None:
+        """`keep_limit`: how many of the `n_slots` may be kept under content keys (the feature cache)."""
         self.slot_bytes = align(slot_bytes)
         self.n_slots = n_slots
         self.location = location
@@ -77,7 +78,7 @@ class ArenaTable:
         size = header_bytes + (n_slots * self.slot_bytes if location == HOST else 0)
         self.shm = shared_memory.SharedMemory(create=True, size=size)
         self.name = self.shm.name
-        self.leases = LeaseTable(n_slots, ttl_s)
+        self.leases = LeaseTable(n_slots, ttl_s, keep_limit)
         _HEADER.pack_into(
             self.shm.buf, 0, MAGIC, VERSION, location, self.slot_bytes, n_slots, self.data_offset, time.monotonic()
         )
@@ -99,6 +100,21 @@ class ArenaTable:
         if nbytes > self.slot_bytes:
             raise ValueError(f"tensor of {nbytes} bytes exceeds the arena slot of {self.slot_bytes} bytes")
 
+    def acquire(self) -> Lease:
+        """A fresh lease on a slot about to be written. Its header entry is cleared first: the slot
+        may have been kept (evicted just now, or before), and no reference to what it held may
+        validate while it is overwritten."""
+        lease = self.leases.acquire()
+        self._clear(lease.slot)
+        return lease
+
+    def share(self, key: bytes) -> Lease | None:
+        """One more reader of the slot kept under `key`, its expiry extended in the header; None on a miss."""
+        lease = self.leases.find(key)
+        if lease is not None:
+            self.publish(lease)
+        return lease
+
     def publish(self, lease: Lease) -> None:
         """Make a written slot readable: its lease id goes in only after the data."""
         at = _entry_offset(lease.slot)
@@ -109,12 +125,11 @@ class ArenaTable:
         _ID.pack_into(self.shm.buf, _entry_offset(slot), 0)
 
     def release(self, lease_id: int) -> bool:
-        """End a lease early; False when it is unknown (released, expired, forged, or another arena's)."""
-        slot = self.leases.release(lease_id)
-        if slot is None:
-            return False
-        self._clear(slot)
-        return True
+        """Drop one reference to a lease; False when none was held (released, expired, forged, or another arena's)."""
+        held, freed = self.leases.release(lease_id)
+        if freed is not None:
+            self._clear(freed)
+        return held
 
     def reap(self) -> int:
         """Reclaim the slots whose lease expired unreleased; return how many."""

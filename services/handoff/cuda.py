@@ -53,8 +53,10 @@ def _bytes(value: object) -> bytes:
 class CudaArena(ArenaTable):
     """A GPU arena: `n_slots` slots of `slot_bytes` in one device allocation, its IPC handle made once."""
 
-    def __init__(self, slot_bytes: int, n_slots: int, ttl_s: float, device: torch.device, ready: str) -> None:
-        super().__init__(slot_bytes, n_slots, ttl_s, CUDA)
+    def __init__(
+        self, slot_bytes: int, n_slots: int, ttl_s: float, device: torch.device, ready: str, keep_limit: int = 0
+    ) -> None:
+        super().__init__(slot_bytes, n_slots, ttl_s, CUDA, keep_limit)
         if ready not in READY_SIGNALS:
             raise ValueError(f"ready signal {ready!r}: use one of {READY_SIGNALS}")
         self.device = device
@@ -88,9 +90,14 @@ class CudaArena(ArenaTable):
         """Enqueue a device-to-device copy into a fresh slot; `finish` makes it readable."""
         nbytes = tensor.numel() * tensor.element_size()
         self.check_fits(nbytes)
-        lease = self.leases.acquire()
+        lease = self.acquire()
         self.slots[lease.slot][:nbytes].copy_(tensor.contiguous().view(-1).view(torch.uint8), non_blocking=True)
         return lease, self.slot_offset(lease.slot)
+
+    def tensor(self, offset: int, layout: Layout) -> torch.Tensor:
+        """The producer's own view of a written slot (no copy)."""
+        slot = (offset - self.data_offset) // self.slot_bytes
+        return self.slots[slot][: layout.nbytes].view(layout.dtype).view(layout.shape)
 
     def finish(self, leases: list[Lease]) -> None:
         """Signal readiness of written slots and publish their leases."""
@@ -206,10 +213,12 @@ class CudaIpcTransport(ArenaTransport):
 
     @classmethod
     def producer(
-        cls, host: str, slot_bytes: int, n_slots: int, ttl_s: float, device: torch.device, ready: str
+        cls, host: str, slot_bytes: int, n_slots: int, ttl_s: float, device: torch.device, ready: str, keep: int = 0
     ) -> CudaIpcTransport:
-        """The producer's end: owns a fresh arena on `device` (its origin carries the GPU's UUID)."""
-        arena = CudaArena(slot_bytes, n_slots, ttl_s, device, ready)
+        """The producer's end: owns a fresh arena on `device` (its origin carries the GPU's UUID).
+
+        `keep` of its slots may be kept under content keys (see leases.py)."""
+        arena = CudaArena(slot_bytes, n_slots, ttl_s, device, ready, keep)
         return cls(arena=arena, origin=Origin(host, arena.gpu_uuid), gpu_uuid=arena.gpu_uuid)
 
     @classmethod
@@ -228,6 +237,11 @@ class CudaIpcTransport(ArenaTransport):
         arena = self._producer_arena()
         assert isinstance(arena, CudaArena)
         return arena.write(tensor)
+
+    def slot_tensor(self, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
+        arena = self._producer_arena()
+        assert isinstance(arena, CudaArena)
+        return arena.tensor(ref.offset, layout)
 
     def _finish(self, leases: list[Lease]) -> None:
         arena = self._producer_arena()

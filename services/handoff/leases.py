@@ -1,9 +1,15 @@
-"""Slot leases of a feature arena: who holds which slot, until when.
+"""Slot leases of a feature arena: who holds which slot, until when, and which slots are kept.
 
 A slot is handed out with a lease (an unguessable id, a reference count and an
 expiry). It returns to the free list when the last reference is released or when
 the TTL passes, never earlier, so a reader holding a valid lease never sees the
 slot reused under it. Transport-neutral: the host (SHM) and the CUDA arenas both use it.
+
+A lease can also be *kept* under a content key (the feature cache): when its last
+reader releases it, the slot keeps its data and its lease id, idle, and `find` hands
+the same lease to the next reader of that key. Idle kept slots are evicted least
+recently used first, when more than `keep_limit` would be kept or when `acquire`
+finds no free slot. A kept slot that anyone reads is never evicted.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from services.common.errors import ResourceExhausted
@@ -25,58 +32,121 @@ class Lease:
     refs: int
     expires_at: float  # time.monotonic()
     expires_unix_ms: int
+    key: bytes | None = None  # kept under this content key (see `LeaseTable.keep`)
+    meta: object = None  # what the arena's owner keeps beside a kept lease (its reference)
 
 
 class LeaseTable:
-    """Thread-safe slot allocator with leases."""
+    """Thread-safe slot allocator with leases, some of them kept under content keys."""
 
-    def __init__(self, n_slots: int, ttl_s: float) -> None:
+    def __init__(self, n_slots: int, ttl_s: float, keep_limit: int = 0) -> None:
         self.n_slots = n_slots
         self.ttl_s = ttl_s
+        self.keep_limit = keep_limit
         self._free = list(range(n_slots - 1, -1, -1))
         self._by_id: dict[int, Lease] = {}
+        self._keys: dict[bytes, Lease] = {}
+        self._idle: OrderedDict[int, Lease] = OrderedDict()  # kept, unread; least recently used first
         self._lock = threading.Lock()
+        self.evictions = 0
+
+    def _extend(self, lease: Lease) -> None:
+        lease.expires_at = time.monotonic() + self.ttl_s
+        lease.expires_unix_ms = int((time.time() + self.ttl_s) * 1000)
 
     def acquire(self, refs: int = 1) -> Lease:
-        """A free slot under a fresh lease; RESOURCE_EXHAUSTED (with retry info) when none is free."""
+        """A free slot under a fresh lease; RESOURCE_EXHAUSTED (with retry info) when none is free.
+
+        With no slot free, the least recently used idle kept slot is evicted for it.
+        """
         with self._lock:
+            if not self._free and self._idle:
+                self._drop(next(iter(self._idle.values())))
+                self.evictions += 1
             if not self._free:
                 raise ResourceExhausted(
                     f"feature arena full: all {self.n_slots} slots are leased",
                     retry_after_s=min(self.ttl_s, 1.0),
                 )
             slot = self._free.pop()
-            lease_id = secrets.randbits(63) | 1  # never 0, which marks a free slot
-            now = time.monotonic()
-            lease = Lease(lease_id, slot, refs, now + self.ttl_s, int((time.time() + self.ttl_s) * 1000))
-            self._by_id[lease_id] = lease
+            lease = Lease(secrets.randbits(63) | 1, slot, refs, 0.0, 0)  # id never 0, which marks a free slot
+            self._extend(lease)
+            self._by_id[lease.id] = lease
             return lease
 
-    def release(self, lease_id: int) -> int | None:
-        """Drop one reference; return the freed slot when it was the last, else None."""
+    def keep(self, lease_id: int, key: bytes, meta: object = None) -> bool:
+        """Keep a held lease under `key` once its readers are done; False when it cannot be kept.
+
+        It cannot when the key is kept already (another slot has it), when `keep_limit`
+        is 0, or when the limit is reached and every kept slot is being read.
+        """
         with self._lock:
             lease = self._by_id.get(lease_id)
+            if lease is None or lease.key is not None or key in self._keys or self.keep_limit <= 0:
+                return False
+            if len(self._keys) >= self.keep_limit:
+                if not self._idle:
+                    return False
+                self._drop(next(iter(self._idle.values())))
+                self.evictions += 1
+            lease.key, lease.meta = key, meta
+            self._keys[key] = lease
+            return True
+
+    def find(self, key: bytes) -> Lease | None:
+        """The lease kept under `key`, with one more reader and a fresh expiry; None on a miss."""
+        with self._lock:
+            lease = self._keys.get(key)
             if lease is None:
                 return None
+            self._idle.pop(lease.id, None)
+            lease.refs += 1
+            self._extend(lease)
+            return lease
+
+    def release(self, lease_id: int) -> tuple[bool, int | None]:
+        """Drop one reference: (whether one was held, the slot freed when it was the last and not kept)."""
+        with self._lock:
+            lease = self._by_id.get(lease_id)
+            if lease is None or lease.refs <= 0:
+                return False, None
             lease.refs -= 1
             if lease.refs > 0:
-                return None
-            return self._drop(lease)
+                return True, None
+            if lease.key is not None:
+                self._idle[lease.id] = lease  # kept: most recently used last
+                return True, None
+            return True, self._drop(lease)
 
     def reap(self) -> list[int]:
-        """Free every expired lease; return their slots."""
+        """End every expired lease: free its slot, or (kept) make it idle. Return the freed slots."""
         now = time.monotonic()
+        freed = []
         with self._lock:
-            expired = [lease for lease in self._by_id.values() if lease.expires_at <= now]
-            return [self._drop(lease) for lease in expired]
+            for lease in [lease for lease in self._by_id.values() if lease.expires_at <= now and lease.refs > 0]:
+                if lease.key is None:
+                    freed.append(self._drop(lease))
+                else:
+                    lease.refs = 0
+                    self._idle[lease.id] = lease
+        return freed
 
     def _drop(self, lease: Lease) -> int:
         del self._by_id[lease.id]
+        if lease.key is not None:
+            del self._keys[lease.key]
+            self._idle.pop(lease.id, None)
         self._free.append(lease.slot)
         return lease.slot
 
     @property
     def leased(self) -> int:
-        """How many slots are leased now."""
+        """How many slots readers hold now."""
         with self._lock:
-            return len(self._by_id)
+            return len(self._by_id) - len(self._idle)
+
+    @property
+    def kept(self) -> int:
+        """How many slots are kept under a content key (read or idle)."""
+        with self._lock:
+            return len(self._keys)

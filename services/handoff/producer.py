@@ -4,6 +4,10 @@ A producer on a GPU owns a CUDA arena (for a consumer on the same GPU) and a hos
 (for one elsewhere on the host); on a CPU, only the host arena. Inline bytes are always
 possible. It negotiates a transport per consumer, exports through it, and takes leases
 back early (`release`) or when they expire (`reap`).
+
+It also keeps features under content keys (the vision feature cache): `export` with keys
+keeps the written slots once their readers are done, and `lookup` hands out a new lease
+reference on a kept slot, with no copy when the consumer takes that arena's transport.
 """
 
 from __future__ import annotations
@@ -13,42 +17,51 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, ResourceExhausted
 from services.common.hostinfo import host_id
 from services.common.metrics import ARENA_SLOTS
 from services.handoff.inline import InlineTransport
 from services.handoff.shm import ShmTransport
-from services.handoff.transport import Transport
-from services.handoff.wire import Origin, choose_transport, transport_name
+from services.handoff.transport import ArenaTransport, Transport
+from services.handoff.wire import Origin, choose_transport, layout, transport_name
 from vlmesh.v1 import common_pb2 as pb
 
 
 class Producer:
     """Exports feature tensors to consumers: one transport object per kind it offers."""
 
-    def __init__(self, slot_bytes: int, n_slots: int, ttl_s: float, device: torch.device, ready: str) -> None:
+    def __init__(
+        self, slot_bytes: int, n_slots: int, ttl_s: float, device: torch.device, ready: str, keep: int = 0
+    ) -> None:
         """Arenas of `n_slots` slots of `slot_bytes`, leases of `ttl_s`; CUDA IPC too when `device` is a GPU.
 
-        `ready` ("sync" or "event") is how a CUDA slot's reader learns it is written.
+        `ready` ("sync" or "event") is how a CUDA slot's reader learns it is written. `keep`
+        more slots per arena hold kept features (0: nothing is kept).
         """
         self.host = host_id()
         self.gpu_uuid = ""
-        arenas: list[Transport] = []
+        arenas: list[ArenaTransport] = []
         if device.type == "cuda":
             from services.handoff.cuda import CudaIpcTransport  # CUDA is initialised only on a GPU
 
-            cuda = CudaIpcTransport.producer(self.host, slot_bytes, n_slots, ttl_s, device, ready)
+            cuda = CudaIpcTransport.producer(self.host, slot_bytes, n_slots + keep, ttl_s, device, ready, keep)
             self.gpu_uuid = cuda.gpu_uuid
             arenas.append(cuda)
         origin = Origin(self.host, self.gpu_uuid)
-        arenas.append(ShmTransport.producer(origin, slot_bytes, n_slots, ttl_s))
+        arenas.append(ShmTransport.producer(origin, slot_bytes, n_slots + keep, ttl_s, keep))
         # Best first; INLINE last, always possible and never offered (negotiation adds it).
-        self._arenas: list[Transport] = arenas
+        self._arenas: list[ArenaTransport] = arenas
         self._transports: list[Transport] = [*arenas, InlineTransport(origin)]
         self._by_kind = {t.kind: t for t in self._transports}
         for t in self._arenas:
             ARENA_SLOTS.labels(t.label, "leased").set_function(lambda t=t: t.leased)
+            ARENA_SLOTS.labels(t.label, "kept").set_function(lambda t=t: t.arena.leases.kept)
             ARENA_SLOTS.labels(t.label, "total").set(t.arena.n_slots if t.arena is not None else 0)
+
+    @property
+    def keeps(self) -> bool:
+        """Whether its arenas keep features under content keys (`keep` > 0)."""
+        return any(t.arena is not None and t.arena.leases.keep_limit > 0 for t in self._arenas)
 
     @property
     def offered(self) -> tuple[int, ...]:
@@ -76,14 +89,64 @@ class Producer:
         """The transport for this consumer (a fallback is logged and counted); INVALID_ARGUMENT if none works."""
         return self._by_kind[choose_transport(self.host, self.gpu_uuid, self.offered, consumer)]
 
-    def export(self, features: Sequence[torch.Tensor], consumer: pb.ConsumerInfo | Transport) -> list[pb.TensorRef]:
+    def export(
+        self,
+        features: Sequence[torch.Tensor],
+        consumer: pb.ConsumerInfo | Transport,
+        keys: Sequence[bytes] | None = None,
+    ) -> list[pb.TensorRef]:
         """One reference per [image_tokens, H] tensor; all readable when this returns.
 
         `consumer` is the consumer's ConsumerInfo (negotiated here) or the transport that
         `negotiate` already chose for it (a caller that refuses a bad consumer before any work).
+        With `keys` (one content key per tensor), the references carry them and the slots are
+        kept under them where the arena has room; for an INLINE consumer a copy is kept in the
+        best arena, for the next consumer of that key.
         """
         transport = self.negotiate(consumer) if isinstance(consumer, pb.ConsumerInfo) else consumer
-        return transport.export(features)
+        refs = transport.export(features)
+        for ref, tensor, key in zip(refs, features, keys or (), strict=False):
+            ref.content_key = key
+            if transport.arena is not None:
+                transport.arena.leases.keep(ref.lease.id, key, _copy(ref))
+            elif self._arenas:
+                self._keep_copy(self._arenas[0], tensor, key)
+        return refs
+
+    @staticmethod
+    def _keep_copy(home: ArenaTransport, tensor: torch.Tensor, key: bytes) -> None:
+        assert home.arena is not None
+        try:
+            (ref,) = home.export([tensor])
+        except ResourceExhausted:
+            return  # caching is best effort: a full arena serves without it
+        ref.content_key = key
+        home.arena.leases.keep(ref.lease.id, key, _copy(ref))
+        home.release(ref.lease.id)  # nobody reads it now: idle when kept, freed when not
+
+    def lookup(self, key: bytes, transport: Transport) -> pb.TensorRef | None:
+        """A reference through `transport` to the features kept under `key`; None on a miss.
+
+        Kept in `transport`'s own arena: one more reference to the same slot and lease (no
+        copy, no write). Kept in another arena (a consumer that takes another transport):
+        copied out of it, through `transport`.
+        """
+        for home in self._arenas:
+            assert home.arena is not None
+            lease = home.arena.share(key)
+            if lease is None:
+                continue
+            ref = _copy(lease.meta)
+            ref.lease.expires_unix_ms = lease.expires_unix_ms
+            if home is transport:
+                return ref
+            try:
+                (out,) = transport.export([home.slot_tensor(ref, layout(ref))])
+            finally:
+                home.release(ref.lease.id)
+            out.content_key = key
+            return out
+        return None
 
     def release(self, lease_ids: Iterable[int]) -> int:
         """End leases early (the consumer has read them); return how many were held."""
@@ -103,3 +166,9 @@ class Producer:
         for t in self._transports:
             with contextlib.suppress(Exception):
                 t.close()
+
+
+def _copy(ref: object) -> pb.TensorRef:
+    out = pb.TensorRef()
+    out.CopyFrom(ref)  # type: ignore[arg-type]
+    return out

@@ -20,14 +20,19 @@ from vlmesh.v1 import common_pb2 as pb
 class ShmArena(ArenaTable):
     """A host arena: `n_slots` slots of `slot_bytes` in one POSIX shared-memory segment."""
 
-    def __init__(self, slot_bytes: int, n_slots: int, ttl_s: float) -> None:
-        super().__init__(slot_bytes, n_slots, ttl_s, HOST)
+    def __init__(self, slot_bytes: int, n_slots: int, ttl_s: float, keep_limit: int = 0) -> None:
+        super().__init__(slot_bytes, n_slots, ttl_s, HOST, keep_limit)
+
+    def tensor(self, offset: int, layout: Layout) -> torch.Tensor:
+        """The producer's own view of a written slot (no copy)."""
+        src = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=layout.nbytes, offset=offset)
+        return src.view(layout.dtype).view(layout.shape)
 
     def write(self, tensor: torch.Tensor) -> tuple[Lease, int]:
         """Copy a tensor (any device) into a fresh slot; return its lease and byte offset."""
         nbytes = tensor.numel() * tensor.element_size()
         self.check_fits(nbytes)
-        lease = self.leases.acquire()
+        lease = self.acquire()
         offset = self.slot_offset(lease.slot)
         dst = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
         dst.copy_(tensor.contiguous().view(-1).view(torch.uint8))  # from a GPU: a synchronous D2H copy
@@ -56,9 +61,9 @@ class ShmTransport(ArenaTransport):
     arena: ShmArena | None
 
     @classmethod
-    def producer(cls, origin: Origin, slot_bytes: int, n_slots: int, ttl_s: float) -> ShmTransport:
-        """The producer's end: owns a fresh host arena."""
-        return cls(arena=ShmArena(slot_bytes, n_slots, ttl_s), origin=origin)
+    def producer(cls, origin: Origin, slot_bytes: int, n_slots: int, ttl_s: float, keep: int = 0) -> ShmTransport:
+        """The producer's end: owns a fresh host arena (`keep` of its slots may be kept, see leases.py)."""
+        return cls(arena=ShmArena(slot_bytes, n_slots, ttl_s, keep), origin=origin)
 
     @classmethod
     def consumer(cls, views: ArenaViews) -> ShmTransport:
@@ -69,6 +74,11 @@ class ShmTransport(ArenaTransport):
         arena = self._producer_arena()
         assert isinstance(arena, ShmArena)
         return arena.write(tensor)  # published on write: readable at once
+
+    def slot_tensor(self, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
+        arena = self._producer_arena()
+        assert isinstance(arena, ShmArena)
+        return arena.tensor(ref.offset, layout)
 
     def _read(self, view: ArenaView, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
         return read_host(view, ref.offset, ref.nbytes, ref.lease.id, layout.dtype, layout.shape)

@@ -124,6 +124,10 @@ class ArenaTransport(TransportBase, abc.ABC):
     def _write(self, tensor: torch.Tensor) -> tuple[Lease, int]:
         """Copy one tensor into a fresh leased slot; return the lease and the slot's byte offset."""
 
+    @abc.abstractmethod
+    def slot_tensor(self, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
+        """The producer's own view of a slot it exported as `ref` (no copy)."""
+
     def _finish(self, leases: list[Lease]) -> None:
         """Make written slots readable (signal readiness, publish their leases)."""
 

@@ -34,7 +34,15 @@ SERVICES = ("gateway", "vision", "llm")
 # service's config (services/*/config.py), with its default and help.
 SERVER_FLAGS = ("host", "log_level", "log_format", "event_loop", "grace_s", "switch_interval_ms")  # to all three
 MODEL_FLAGS = ("model", "device", "dtype", "threads", "memory_watermarks")  # to vision and llm
-VISION_FLAGS = ("vision_engine", "max_vision_batch", "ready_signal", "arena_slots", "lease_ttl_s", "preprocess_workers")
+VISION_FLAGS = (
+    "vision_engine",
+    "max_vision_batch",
+    "ready_signal",
+    "arena_slots",
+    "feature_cache_mib",
+    "lease_ttl_s",
+    "preprocess_workers",
+)
 LLM_FLAGS = (
     "llm_engine",
     "max_llm_batch",

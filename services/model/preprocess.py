@@ -139,7 +139,7 @@ def crop(img: Image.Image, cfg: ImageProcessorConfig) -> torch.Tensor:
     arr = np.asarray(img)  # [h, w, 3] uint8
     if cfg.do_center_crop:
         arr = _center_crop(arr, cfg.crop_hw)
-    return torch.from_numpy(np.ascontiguousarray(arr))
+    return torch.from_numpy(np.array(arr, order="C"))  # a writable copy: Pillow's array is read-only
 
 
 def normalize(pixels: torch.Tensor, cfg: ImageProcessorConfig) -> torch.Tensor:

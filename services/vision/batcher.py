@@ -73,7 +73,7 @@ class VisionBatcher:
             "vision.encode",
             started,
             started + result.encode_s,
-            {"batch.size": result.batch_size, "cache.hit": False},
+            {"batch.size": result.batch_size},
         )
         return result
 

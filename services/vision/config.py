@@ -10,6 +10,7 @@ from services.common.flags import flag, nested, parse_config
 DEFAULT_PORT = MESH_PORTS["vision"]
 DEFAULT_METRICS_PORT = MESH_METRICS_PORTS["vision"]
 DEFAULT_MAX_BATCH = 4
+DEFAULT_FEATURE_CACHE_MIB = 512
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +36,13 @@ class VisionConfig:
         default=30.0,
         help="seconds before an unreleased feature slot is reclaimed (default %(default)s)",
     )
+    feature_cache_mib: int = flag(
+        "--feature-cache-mib",
+        default=DEFAULT_FEATURE_CACHE_MIB,
+        help="arena memory (MiB, beside --arena-slots) that keeps the features of images seen before, "
+        "keyed by their bytes; a repeated image skips preprocessing and the ViT. 0 switches the cache "
+        "off (default %(default)s)",
+    )
     preprocess_workers: int = flag(
         "--preprocess-workers", default=2, help="threads decoding images (default %(default)s)"
     )
@@ -56,6 +64,8 @@ class VisionConfig:
             problems.append(f"--max-vision-batch {self.max_batch} must be >= 1")
         if self.arena_slots < self.max_batch:
             problems.append(f"--arena-slots {self.arena_slots} must be >= --max-vision-batch {self.max_batch}")
+        if self.feature_cache_mib < 0:
+            problems.append(f"--feature-cache-mib {self.feature_cache_mib} must be >= 0")
         if self.lease_ttl_s <= 0:
             problems.append(f"--lease-ttl-s {self.lease_ttl_s} must be > 0")
         if self.ready_signal not in READY_SIGNALS:
@@ -64,6 +74,12 @@ class VisionConfig:
             problems.append(f"--preprocess-workers {self.preprocess_workers} must be >= 1")
         if problems:
             raise ValueError("; ".join(problems))
+
+
+def kept_slots(cache_mib: int, slot_bytes: int) -> int:
+    """How many feature slots `--feature-cache-mib` holds (slots are page-aligned)."""
+    page = 4096  # the arenas' slot alignment (services/handoff/arena.py)
+    return cache_mib * 2**20 // ((slot_bytes + page - 1) // page * page)
 
 
 def parse(argv: list[str] | None = None) -> VisionConfig:

@@ -30,7 +30,8 @@ async def serve(cfg: vision_config.VisionConfig) -> None:
     spec = load_spec(cfg.model.path)
     encoder = VisionEncoder(spec, cfg.model.device, cfg.model.dtype)
     watch_gpu_memory("vision", encoder.device)
-    producer = Producer(encoder.feature_bytes, cfg.arena_slots, cfg.lease_ttl_s, encoder.device, cfg.ready_signal)
+    keep = vision_config.kept_slots(cfg.feature_cache_mib, encoder.feature_bytes)
+    producer = Producer(encoder.feature_bytes, cfg.arena_slots, cfg.lease_ttl_s, encoder.device, cfg.ready_signal, keep)
     batcher = VisionBatcher(encoder, cfg.max_batch)
     batcher.start()
     memory = MemoryGuard.for_device("vision", encoder.device, cfg.model.memory_watermarks)
@@ -43,11 +44,13 @@ async def serve(cfg: vision_config.VisionConfig) -> None:
             [vision_pb2.DESCRIPTOR.services_by_name["Vision"].full_name],
         )
         log.info(
-            "vision serving on %s:%d (arenas %s, %d slots each)",
+            "vision serving on %s:%d (arenas %s, %d slots each, %d more keep features: %s)",
             cfg.server.host,
             running.port,
             ", ".join(producer.arena_names),
             cfg.arena_slots,
+            keep,
+            f"a {cfg.feature_cache_mib} MiB cache" if keep else "the cache is off",
         )
         await serve_until_signal(running, cfg.server.grace_s)
     finally:

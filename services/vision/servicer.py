@@ -12,16 +12,20 @@ from services.common import metrics, rpc, telemetry
 from services.common.logs import request_context
 from services.common.memory import MemoryGuard, Watermarks
 from services.common.priority_pool import PriorityPool
-from services.common.qos import qos_from_metadata
+from services.common.qos import QosLevel, qos_from_metadata
 from services.common.timings import Timings
 from services.common.validation import check_images
 from services.handoff.producer import Producer
+from services.handoff.transport import Transport
 from services.vision.batcher import VisionBatcher
 from services.vision.encoder import VisionEncoder
+from services.vision.feature_cache import FeatureCache, config_salt
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import vision_pb2, vision_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+_STAGES = ("preprocess", "vision_queue", "vision", "handoff")
 
 
 class VisionServicer(vision_pb2_grpc.VisionServicer):
@@ -34,6 +38,9 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         memory: MemoryGuard | None = None,
     ) -> None:
         self.encoder = encoder
+        # Repeated images are served from kept slots when the producer keeps any (--feature-cache-mib).
+        salt = config_salt(encoder.spec.model_id, encoder.processor, encoder.dtype)
+        self.cache = FeatureCache(producer, salt, enabled=producer.keeps)
         # GPU memory watermarks: best-effort work is refused over the top one (inert on the CPU).
         self.memory = memory or MemoryGuard("vision", None, Watermarks())
         self.batcher = batcher
@@ -55,27 +62,43 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         self.memory.admit(qos)
         check_images(request.images)
         transport = self.producer.negotiate(request.consumer)  # a consumer we cannot serve fails before any work
-        t0 = time.perf_counter()
-        with telemetry.span("vision.preprocess", {"images": len(request.images)}):
-            pixels = await asyncio.gather(
-                *(
-                    asyncio.wrap_future(self._preprocess.submit(qos, self.encoder.pixels, image.data, f"images[{i}]"))
-                    for i, image in enumerate(request.images)
-                )
-            )
-        preprocess = time.perf_counter() - t0
-        metrics.STAGE_DURATION.labels("preprocess").observe(preprocess)
-        results = await asyncio.gather(*(self.batcher.submit(p, qos) for p in pixels))
-        t1 = time.perf_counter()
-        with telemetry.span("handoff.export", {"transport": transport.name}):
-            refs = self.producer.export([r.features for r in results], transport)
-        timings = Timings(
-            preprocess=preprocess,
-            vision_queue=max(r.queue_s for r in results),
-            vision=max(r.encode_s for r in results),
-            handoff=time.perf_counter() - t1,
+        results = await asyncio.gather(
+            *(self._features(qos, transport, i, image.data) for i, image in enumerate(request.images)),
+            return_exceptions=True,
         )
-        return vision_pb2.EncodeResponse(features=refs, timings=timings.to_pb())
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:  # nobody will read the others: their leases go now
+            self.producer.release([r[0].lease.id for r in results if not isinstance(r, BaseException)])
+            raise failed[0]
+        stages = [r[1] for r in results if r[1] is not None]  # cache hits ran no stage
+        timings = Timings(**{k: max((getattr(t, k) for t in stages), default=0.0) for k in _STAGES})
+        return vision_pb2.EncodeResponse(features=[r[0] for r in results], timings=timings.to_pb())
+
+    async def _features(self, qos: QosLevel, transport: Transport, i: int, data: bytes):
+        """One image's reference, from the cache or encoded, and the stages it ran (None on a hit)."""
+
+        async def encode() -> tuple[pb.TensorRef, Timings]:
+            t0 = time.perf_counter()
+            with telemetry.span("vision.preprocess", {"images": 1}):
+                pixels = await asyncio.wrap_future(
+                    self._preprocess.submit(qos, self.encoder.pixels, data, f"images[{i}]")
+                )
+            preprocess = time.perf_counter() - t0
+            metrics.STAGE_DURATION.labels("preprocess").observe(preprocess)
+            result = await self.batcher.submit(pixels, qos)
+            t1 = time.perf_counter()
+            with telemetry.span("handoff.export", {"transport": transport.name}):
+                (ref,) = self.producer.export([result.features], transport, [key] if key is not None else None)
+            stages = Timings(
+                preprocess=preprocess,
+                vision_queue=result.queue_s,
+                vision=result.encode_s,
+                handoff=time.perf_counter() - t1,
+            )
+            return ref, stages
+
+        key = self.cache.key(data) if self.cache.enabled else None
+        return await self.cache.get(key, transport, encode)
 
     @rpc.unary
     async def Release(self, request: vision_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):

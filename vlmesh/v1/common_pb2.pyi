@@ -74,14 +74,16 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "image_tokens", "output_tokens")
+    __slots__ = ("prompt_tokens", "image_tokens", "output_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     image_tokens: int
     output_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
     __slots__ = ("admission_ms", "vision_queue_ms", "preprocess_ms", "vision_ms", "handoff_ms", "llm_queue_ms", "prefill_ms", "decode_ms", "ttft_ms", "total_ms")
@@ -116,7 +118,7 @@ class Lease(_message.Message):
     def __init__(self, id: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class TensorRef(_message.Message):
-    __slots__ = ("transport", "arena_id", "producer_host_id", "gpu_uuid", "offset", "nbytes", "shape", "dtype", "lease", "ready", "ready_event", "inline_data", "cuda_ipc")
+    __slots__ = ("transport", "arena_id", "producer_host_id", "gpu_uuid", "offset", "nbytes", "shape", "dtype", "lease", "ready", "ready_event", "inline_data", "cuda_ipc", "content_key")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +132,7 @@ class TensorRef(_message.Message):
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     INLINE_DATA_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_KEY_FIELD_NUMBER: _ClassVar[int]
     transport: Transport
     arena_id: str
     producer_host_id: str
@@ -143,7 +146,8 @@ class TensorRef(_message.Message):
     ready_event: bytes
     inline_data: bytes
     cuda_ipc: CudaIpcHandle
-    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., arena_id: _Optional[str] = ..., producer_host_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., ready: _Optional[_Union[ReadySignal, str]] = ..., ready_event: _Optional[bytes] = ..., inline_data: _Optional[bytes] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+    content_key: bytes
+    def __init__(self, transport: _Optional[_Union[Transport, str]] = ..., arena_id: _Optional[str] = ..., producer_host_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., ready: _Optional[_Union[ReadySignal, str]] = ..., ready_event: _Optional[bytes] = ..., inline_data: _Optional[bytes] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., content_key: _Optional[bytes] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("mem_handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")

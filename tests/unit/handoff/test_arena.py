@@ -202,6 +202,7 @@ def test_another_process_reads_and_does_not_unlink(arena):
 def test_lease_refcount():
     table = LeaseTable(1, ttl_s=10)
     lease = table.acquire(refs=2)
-    assert table.release(lease.id) is None
-    assert table.release(lease.id) == lease.slot
+    assert table.release(lease.id) == (True, None)
+    assert table.release(lease.id) == (True, lease.slot)
+    assert table.release(lease.id) == (False, None)
     assert table.leased == 0

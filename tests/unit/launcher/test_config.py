@@ -65,6 +65,7 @@ CUSTOM = {
         model=MODEL,
         max_batch=7,
         arena_slots=9,
+        feature_cache_mib=7,
         lease_ttl_s=0.5,
         preprocess_workers=5,
         ready_signal="event",

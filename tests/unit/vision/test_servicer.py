@@ -4,7 +4,6 @@ grpc.aio server on a local port, and a Consumer opening what Encode exported."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 import pytest
@@ -14,12 +13,10 @@ from services.common.errors import FailedPrecondition
 from services.handoff.consumer import Consumer
 from services.handoff.producer import Producer
 from services.model.spec import load_spec
-from services.vision.batcher import VisionBatcher
 from services.vision.encoder import VisionEncoder
-from services.vision.servicer import VisionServicer
-from tests.helpers import image_bytes, local_server
+from tests.helpers import consumer_info, encode_request, image_bytes, vision_reference, vision_service
 from vlmesh.v1 import common_pb2 as pb
-from vlmesh.v1 import vision_pb2, vision_pb2_grpc
+from vlmesh.v1 import vision_pb2
 
 SHM, INLINE = pb.TRANSPORT_SHM, pb.TRANSPORT_INLINE
 SLOTS = 4
@@ -45,40 +42,12 @@ def consumer():
     c.close()
 
 
-def reference(encoder: VisionEncoder, data: bytes) -> torch.Tensor:
-    """The features of one picture encoded alone, without the service: [image_tokens, H]."""
-    return encoder.encode(encoder.pixels(data)[None])[0]
-
-
-def me(consumer: Consumer, accept=None) -> pb.ConsumerInfo:
-    return pb.ConsumerInfo(host_id=consumer.host, gpu_uuid=consumer.gpu_uuid, accept=accept or consumer.transports)
-
-
-@contextlib.asynccontextmanager
-async def vision_service(encoder: VisionEncoder, producer: Producer, memory=None):
-    """A stub of the real VisionServicer on a local port (batcher started on this loop, stopped after)."""
-    batcher = VisionBatcher(encoder, max_batch=4)
-    batcher.start()
-    servicer = VisionServicer(encoder, batcher, producer, workers=1, memory=memory)
-    try:
-        async with local_server(vision_pb2_grpc.add_VisionServicer_to_server, servicer) as target:
-            async with grpc.aio.insecure_channel(target) as channel:
-                yield vision_pb2_grpc.VisionStub(channel)
-    finally:
-        await batcher.stop()
-        servicer.close()
-
-
-def encode_request(consumer_info: pb.ConsumerInfo, pictures=PICTURES) -> vision_pb2.EncodeRequest:
-    return vision_pb2.EncodeRequest(
-        request_id="v-1", images=[pb.Image(data=d) for d in pictures], consumer=consumer_info
-    )
-
-
 def test_encode_exports_each_picture_s_features_into_leased_slots(encoder, producer, consumer):
     async def main():
         async with vision_service(encoder, producer) as stub:
-            resp = await stub.Encode(encode_request(me(consumer)), metadata=(("qos-level", "realtime"),), timeout=30)
+            resp = await stub.Encode(
+                encode_request(consumer_info(consumer), PICTURES), metadata=(("qos-level", "realtime"),), timeout=30
+            )
             assert producer.leased == 2
             opened = consumer.open(resp.features, shape=(encoder.spec.image_tokens, encoder.spec.text.hidden))
             ids = [r.lease.id for r in resp.features]
@@ -92,7 +61,7 @@ def test_encode_exports_each_picture_s_features_into_leased_slots(encoder, produ
     assert [list(r.shape) for r in refs] == [[encoder.spec.image_tokens, encoder.spec.text.hidden]] * 2
     assert all(r.dtype == pb.DTYPE_FLOAT32 and r.lease.id for r in refs)
     assert refs[0].lease.id != refs[1].lease.id
-    expected = [reference(encoder, d) for d in PICTURES]
+    expected = [vision_reference(encoder, d) for d in PICTURES]
     assert not torch.allclose(expected[0], expected[1])  # so the order below is checked
     for got, want in zip(tensors, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -113,8 +82,14 @@ def test_best_effort_is_refused_over_the_memory_watermark_before_any_work(encode
     async def main():
         async with vision_service(encoder, producer, memory=full) as stub:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Encode(encode_request(me(consumer)), metadata=(("qos-level", "best-effort"),), timeout=30)
-            served = await stub.Encode(encode_request(me(consumer)), metadata=(("qos-level", "standard"),), timeout=30)
+                await stub.Encode(
+                    encode_request(consumer_info(consumer), PICTURES),
+                    metadata=(("qos-level", "best-effort"),),
+                    timeout=30,
+                )
+            served = await stub.Encode(
+                encode_request(consumer_info(consumer), PICTURES), metadata=(("qos-level", "standard"),), timeout=30
+            )
             return err.value, served
 
     err, served = asyncio.run(main())
@@ -135,7 +110,9 @@ def test_a_consumer_on_another_host_gets_inline_bytes(encoder, producer, consume
     (ref,) = resp.features
     assert ref.transport == INLINE and ref.inline_data and not ref.lease.id
     assert producer.leased == 0
-    torch.testing.assert_close(consumer.open([ref]).tensors[0], reference(encoder, PICTURES[0]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        consumer.open([ref]).tensors[0], vision_reference(encoder, PICTURES[0]), rtol=1e-4, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize(
@@ -148,7 +125,7 @@ def test_a_consumer_on_another_host_gets_inline_bytes(encoder, producer, consume
     ],
 )
 def test_bad_requests_are_invalid_argument_and_lease_nothing(encoder, producer, consumer, case, details):
-    request = encode_request(me(consumer))
+    request = encode_request(consumer_info(consumer), PICTURES)
     metadata = ()
     if case == "no-images":
         del request.images[:]
@@ -178,9 +155,9 @@ def test_a_full_arena_is_resource_exhausted_and_keeps_no_slot(encoder, producer,
     async def main():
         async with vision_service(encoder, producer) as stub:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Encode(encode_request(me(consumer), many), timeout=30)
+                await stub.Encode(encode_request(consumer_info(consumer), many), timeout=30)
             assert producer.leased == 0
-            ok = await stub.Encode(encode_request(me(consumer), many[:SLOTS]), timeout=30)
+            ok = await stub.Encode(encode_request(consumer_info(consumer), many[:SLOTS]), timeout=30)
             return err.value, ok
 
     err, ok = asyncio.run(main())

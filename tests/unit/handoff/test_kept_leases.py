@@ -1,0 +1,90 @@
+"""Kept leases (the feature cache's slots): found by key, idle when unread, evicted LRU, never while read."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from services.common.errors import FailedPrecondition, ResourceExhausted
+from services.handoff.arena import ArenaView
+from services.handoff.leases import LeaseTable
+from services.handoff.shm import ShmArena, read_host
+
+
+def test_a_kept_lease_is_found_by_its_key_and_survives_its_readers():
+    table = LeaseTable(3, ttl_s=10, keep_limit=2)
+    lease = table.acquire()
+    assert table.keep(lease.id, b"a") is True
+    assert table.release(lease.id) == (True, None)  # kept: not freed
+    assert (table.leased, table.kept) == (0, 1)
+    again = table.find(b"a")
+    assert again is lease and again.refs == 1 and table.leased == 1
+    assert table.find(b"b") is None
+    assert table.keep(table.acquire().id, b"a") is False  # one slot per key
+
+
+def test_idle_kept_slots_are_evicted_least_recently_used_first_and_read_ones_never():
+    table = LeaseTable(2, ttl_s=10, keep_limit=2)
+    a, b = table.acquire(), table.acquire()
+    table.keep(a.id, b"a")
+    table.keep(b.id, b"b")
+    table.release(a.id)  # a idle; b still read
+    fresh = table.acquire()  # no free slot: a (idle) goes, b (read) stays
+    assert fresh.slot == a.slot and table.find(b"a") is None and table.evictions == 1
+    with pytest.raises(ResourceExhausted):
+        table.acquire()  # b is read, fresh is held: nothing to evict
+    table.release(b.id)
+    table.release(fresh.id)
+    assert table.find(b"b") is b  # b was idle, not evicted by the failed acquire
+
+
+def test_the_keep_limit_evicts_the_oldest_idle_and_refuses_when_all_are_read():
+    table = LeaseTable(4, ttl_s=10, keep_limit=2)
+    leases = [table.acquire() for _ in range(3)]
+    assert table.keep(leases[0].id, b"0") and table.keep(leases[1].id, b"1")
+    assert table.keep(leases[2].id, b"2") is False  # both kept slots are read
+    table.release(leases[1].id)
+    table.release(leases[0].id)  # idle order: 1, then 0
+    assert table.keep(leases[2].id, b"2") is True
+    assert table.find(b"1") is None and table.find(b"0") is not None
+    assert table.kept == 2
+
+
+def test_no_keep_limit_keeps_nothing():
+    table = LeaseTable(2, ttl_s=10)
+    lease = table.acquire()
+    assert table.keep(lease.id, b"a") is False
+    assert table.release(lease.id) == (True, lease.slot)
+
+
+def test_an_expired_kept_lease_goes_idle_not_free():
+    table = LeaseTable(1, ttl_s=0.05, keep_limit=1)
+    lease = table.acquire(refs=2)  # a reader that never releases
+    table.keep(lease.id, b"a")
+    time.sleep(0.1)
+    assert table.reap() == []
+    assert table.leased == 0 and table.find(b"a") is lease and lease.refs == 1
+
+
+def test_an_evicted_slot_refuses_its_old_references_before_it_is_overwritten():
+    arena = ShmArena(slot_bytes=256, n_slots=1, ttl_s=30, keep_limit=1)
+    try:
+        lease, offset = arena.write(torch.ones(64))
+        arena.leases.keep(lease.id, b"a")
+        arena.release(lease.id)
+        view = ArenaView(arena.name)
+        try:
+            assert read_host(view, offset, 256, lease.id, torch.float32, [64]).sum() == 64  # idle, still valid
+            shared = arena.share(b"a")
+            assert shared is lease
+            arena.release(lease.id)
+            fresh = arena.acquire()  # evicts a; its header entry is cleared before any write
+            with pytest.raises(FailedPrecondition, match="stale"):
+                read_host(view, offset, 256, lease.id, torch.float32, [64])
+            assert fresh.slot == lease.slot
+        finally:
+            view.close()
+    finally:
+        arena.close()
