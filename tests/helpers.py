@@ -292,7 +292,10 @@ class Parts:
     def request(
         self, image: int | bytes, prompt: str, qos: QosLevel = QosLevel.STANDARD, **sampling
     ) -> tuple[Request, dict]:
-        """`image`: encoded bytes, or a seed for a random-noise picture."""
+        """`image`: encoded bytes, or a seed for a random-noise picture. The image's content key is a
+        hash of its bytes, as the vision service's (so the prefix cache can share its pages)."""
+        import hashlib
+
         from services.common.validation import check_sampling
         from services.llm.detokenizer import Detokenizer
         from services.llm.request import Request
@@ -323,6 +326,7 @@ class Parts:
             qos=qos,
             detok=Detokenizer(self.prompts.tokenizer, s.stop),
             emit=emit,
+            image_keys=[hashlib.blake2b(data, digest_size=16).digest()],
         )
         return req, box
 

@@ -130,6 +130,18 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         default=DEFAULT_MAX_PREFILL_TOKENS,
         help="the native engine's prefill positions per step (mesh) (default %(default)s)",
     )
+    p.add_argument(
+        "--feature-cache-mib",
+        type=float_in(0),
+        default=vision_config.DEFAULT_FEATURE_CACHE_MIB,
+        help="the vision's feature cache (mesh); 0 switches it off (default %(default)s)",
+    )
+    p.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the native engine's prefix KV reuse (mesh); --no-prefix-cache switches it off (default on)",
+    )
     p.add_argument("--ready-signal", default="sync", choices=READY_SIGNALS, help="CUDA hand-off readiness (mesh)")
     p.add_argument(
         "--event-loop",

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from services.bench.args import build_parser, config_of, parse_args
 from services.bench.load import run_closed_loop, run_open_loop
-from services.bench.report import compare_seeds, plot, summarize_run, table, write_json
+from services.bench.report import cache_table, compare_seeds, plot, summarize_run, table, write_json
 from services.bench.workloads import WORKLOADS, RequestFactory
 from services.common import eventloop
 
@@ -173,6 +173,8 @@ def serve(name: str, args, say):
                 max_vision_batch=args.max_vision_batch,
                 max_llm_batch=args.max_llm_batch,
                 max_prefill_tokens=args.max_prefill_tokens,
+                feature_cache_mib=args.feature_cache_mib,
+                prefix_cache=args.prefix_cache,
                 ready_signal=args.ready_signal,
                 event_loop=args.event_loop,
                 warmup_requests=4,
@@ -247,4 +249,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_seeds:
         print(compare_seeds(runs))
     print(table(runs))
+    if caches := cache_table(runs):
+        print(caches)
     return 0 if all(r["summary"]["lost"] == 0 for r in runs) else 1

@@ -40,7 +40,50 @@ def summarize_run(records: list[Record], rate: float, duration_s: float, warmup_
         # mesh's plumbing costs a request, comparable with --target inprocess.
         "outside_stages_ms": summarize([o.e2e_s * 1000 - sum(o.stages_ms.values()) for o in ok if o.stages_ms]),
         "client": {**client, "send_lag_ms": summarize(lag)},
+        "cache": cache_summary(ok),
     }
+
+
+def cache_summary(ok: list) -> dict:
+    """Feature-cache hits (the vision ran no stage) and prefix-cache hits, and TTFT for each side."""
+    hits = [o for o in ok if o.feature_hit]
+    misses = [o for o in ok if o.feature_hit is False]
+    return {
+        "feature_hit_ratio": len(hits) / len(ok) if ok else 0.0,
+        "prefix_hit_ratio": sum(1 for o in ok if o.cached_tokens) / len(ok) if ok else 0.0,
+        "cached_tokens_p50": summarize([o.cached_tokens for o in ok])["p50"],
+        "ttft_ms_hit": summarize([o.ttft_s * 1000 for o in hits if o.ttft_s is not None]),
+        "ttft_ms_miss": summarize([o.ttft_s * 1000 for o in misses if o.ttft_s is not None]),
+    }
+
+
+def cache_table(runs: list[dict]) -> str:
+    """One line per run that saw cache hits: hit ratios and TTFT p50 of hits against misses."""
+    lines = [
+        f"{'target':<10}{'wl':<4}{'load':>6}{'feat hit':>9}{'kv hit':>8}{'cached p50':>11}"
+        f"{'ttft hit':>10}{'miss':>8}{'ratio':>7}"
+    ]
+    for r in runs:
+        c = r["summary"].get("cache")
+        if not c or not (c["feature_hit_ratio"] or c["prefix_hit_ratio"]):
+            continue
+        hit, miss = c["ttft_ms_hit"], c["ttft_ms_miss"]
+        ratio = hit["p50"] / miss["p50"] if hit.get("n") and miss.get("n") and miss["p50"] else float("nan")
+        lines.append(
+            f"{r['target']:<10}{r['workload']:<4}{_load(r['summary']):>6}{c['feature_hit_ratio']:9.1%}"
+            f"{c['prefix_hit_ratio']:8.1%}{c['cached_tokens_p50']:11.0f}{hit['p50']:10.1f}{miss['p50']:8.1f}{ratio:7.2f}"
+        )
+    if len(lines) == 1:
+        return ""
+    lines.append(
+        "feat hit: requests whose features came from the vision's cache; kv hit: requests whose prompt "
+        "began with cached KV pages; ttft p50 in ms of feature hits and misses, and their ratio"
+    )
+    return "\n".join(lines)
+
+
+def _load(summary: dict) -> str:
+    return f"x{summary['concurrency']}" if "concurrency" in summary else f"{summary['offered_rps']:g}"
 
 
 def table(runs: list[dict]) -> str:
@@ -58,7 +101,7 @@ def table(runs: list[dict]) -> str:
         outside = s.get("outside_stages_ms", {})
         stages += f"{outside['p50']:8.1f}" if outside.get("n") else f"{'-':>8}"
         statuses = ",".join(f"{k}={v}" for k, v in sorted(s["statuses"].items()))
-        load = f"x{s['concurrency']}" if "concurrency" in s else f"{s['offered_rps']:g}"
+        load = _load(s)
         cpu = f"{s['server_cpu_cores']:6.2f}" if "server_cpu_cores" in s else f"{'-':>6}"
         lines.append(
             f"{r['target']:<10}{r['workload']:<4}{load:>6}{s['throughput_rps']:7.1f}{s['output_tok_s']:8.0f}"
@@ -110,6 +153,8 @@ def write_json(path: Path, config: dict, env: dict, runs: list[dict], records: d
                 "ttft_ms": None if r.outcome.ttft_s is None else r.outcome.ttft_s * 1000,
                 "tokens": r.outcome.output_tokens,
                 "stages_ms": r.outcome.stages_ms,
+                "cached_tokens": r.outcome.cached_tokens,
+                "feature_hit": r.outcome.feature_hit,
             }
             for r in recs
         ]

@@ -30,6 +30,13 @@ class Outcome:
     output_tokens: int = 0
     timings: Timings | None = None  # the system's own account of where the time went, if it gives one
     text: str = ""  # the answer, for checking that two systems did the same work
+    cached_tokens: int = 0  # prompt positions served from the llm's prefix cache (usage.cached_tokens)
+
+    @property
+    def feature_hit(self) -> bool | None:
+        """The vision served cached features (it ran no stage); None when the system reports no stages."""
+        t = self.timings
+        return None if t is None else t.vision == 0 and t.preprocess == 0
 
     @property
     def stages_ms(self) -> dict[str, float]:
@@ -84,7 +91,15 @@ class MeshTarget:
             return Outcome(err.code().name, time.perf_counter() - start)
         if final is None or final.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             return Outcome("INCOMPLETE", time.perf_counter() - start)
-        return Outcome("OK", time.perf_counter() - start, ttft, tokens, Timings.from_pb(final.timings), "".join(text))
+        return Outcome(
+            "OK",
+            time.perf_counter() - start,
+            ttft,
+            tokens,
+            Timings.from_pb(final.timings),
+            "".join(text),
+            final.usage.cached_tokens,
+        )
 
     async def close(self) -> None:
         await self.channel.close()

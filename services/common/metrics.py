@@ -66,6 +66,11 @@ HANDOFF_FALLBACKS = Counter(
 ARENA_SLOTS = Gauge("vlmesh_arena_slots", "Feature arena slots", ["arena", "state"])
 KV_SLOTS = Gauge("vlmesh_kv_slots", "Batch places of the llm engine (running sequences)", ["state"])
 KV_PAGES = Gauge("vlmesh_kv_pages", "Pages of the llm engine's paged KV pool", ["state"])
+PREFIX_TOKENS = Counter(
+    "vlmesh_prefix_cache_tokens_total",
+    "Prompt positions at admission: hit (their KV came from the prefix cache) or miss (computed)",
+    ["result"],
+)
 GPU_MEMORY_RATIO = Gauge(
     "vlmesh_gpu_memory_used_ratio", "Share of the GPU's memory in use, by every process on it", ["service"]
 )

@@ -126,13 +126,13 @@ class ArenaTable:
 
     def release(self, lease_id: int) -> bool:
         """Drop one reference to a lease; False when none was held (released, expired, forged, or another arena's)."""
-        held, freed = self.leases.release(lease_id)
-        if freed is not None:
-            self._clear(freed)
+        held, unread = self.leases.release(lease_id)
+        if unread is not None:
+            self._clear(unread)  # free, or kept idle: a released reference must fail either way
         return held
 
     def reap(self) -> int:
-        """Reclaim the slots whose lease expired unreleased; return how many."""
+        """Reclaim the slots whose lease expired unreleased (kept ones go idle); return how many."""
         slots = self.leases.reap()
         for slot in slots:
             self._clear(slot)

@@ -6,8 +6,9 @@ the TTL passes, never earlier, so a reader holding a valid lease never sees the
 slot reused under it. Transport-neutral: the host (SHM) and the CUDA arenas both use it.
 
 A lease can also be *kept* under a content key (the feature cache): when its last
-reader releases it, the slot keeps its data and its lease id, idle, and `find` hands
-the same lease to the next reader of that key. Idle kept slots are evicted least
+reader releases it, the slot keeps its data and its lease, idle (its arena clears the
+header entry, so old references fail as for any released lease), and `find` hands the
+same lease, published again, to the next reader of that key. Idle kept slots are evicted least
 recently used first, when more than `keep_limit` would be kept or when `acquire`
 finds no free slot. A kept slot that anyone reads is never evicted.
 """
@@ -105,7 +106,10 @@ class LeaseTable:
             return lease
 
     def release(self, lease_id: int) -> tuple[bool, int | None]:
-        """Drop one reference: (whether one was held, the slot freed when it was the last and not kept)."""
+        """Drop one reference: (whether one was held, the slot when nobody reads it any more).
+
+        That slot is free again, or (kept) idle: either way no reference to it may validate now.
+        """
         with self._lock:
             lease = self._by_id.get(lease_id)
             if lease is None or lease.refs <= 0:
@@ -115,21 +119,22 @@ class LeaseTable:
                 return True, None
             if lease.key is not None:
                 self._idle[lease.id] = lease  # kept: most recently used last
-                return True, None
+                return True, lease.slot
             return True, self._drop(lease)
 
     def reap(self) -> list[int]:
-        """End every expired lease: free its slot, or (kept) make it idle. Return the freed slots."""
+        """End every expired lease: free its slot, or (kept) make it idle. Return those slots."""
         now = time.monotonic()
-        freed = []
+        unread = []
         with self._lock:
             for lease in [lease for lease in self._by_id.values() if lease.expires_at <= now and lease.refs > 0]:
                 if lease.key is None:
-                    freed.append(self._drop(lease))
+                    unread.append(self._drop(lease))
                 else:
                     lease.refs = 0
                     self._idle[lease.id] = lease
-        return freed
+                    unread.append(lease.slot)
+        return unread
 
     def _drop(self, lease: Lease) -> int:
         del self._by_id[lease.id]

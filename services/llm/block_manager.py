@@ -1,4 +1,4 @@
-"""The paged KV pool's accounting: which pages are free, and how many a sequence needs.
+"""The paged KV pool's accounting: which pages are free, which are shared, which are cached.
 
 Pure Python (no torch): the scheduler plans with it, and the model runner reads each
 request's pages (`Request.blocks`, its block table) to address the pool's tensors.
@@ -6,9 +6,18 @@ request's pages (`Request.blocks`, its block table) to address the pool's tensor
 A page holds `page_size` consecutive positions of one sequence, in every layer. Page 0 is
 never handed out: the model runner points unused block-table entries and the padding rows
 of a captured decode batch at it, so their writes land nowhere that matters.
+
+Prefix caching: a full prompt page, once computed, is registered under its key
+(services/llm/prefix.py). Pages are reference counted; a later request whose leading keys
+match shares those pages (read only: it starts its prefill after them). A registered page
+that nobody holds stays cached, and counts as free: `allocate` takes truly free pages first,
+then evicts cached ones, least recently released first.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
 
 NULL_PAGE = 0
 
@@ -20,6 +29,11 @@ class BlockManager:
         self.n_pages, self.page_size = n_pages, page_size
         # Popped from the end: low page numbers first, which keeps a lightly used pool compact.
         self._free = list(range(n_pages - 1, NULL_PAGE, -1))
+        self._refs = [0] * n_pages
+        self._page_of: dict[bytes, int] = {}  # key -> the page that holds it
+        self._key_of: dict[int, bytes] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()  # registered, held by nobody; LRU first
+        self.evictions = 0
 
     @property
     def capacity(self) -> int:
@@ -28,24 +42,74 @@ class BlockManager:
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        """Pages a request can be given: free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def cached(self) -> int:
+        """Pages registered under a key (held or not)."""
+        return len(self._key_of)
 
     def pages_for(self, tokens: int) -> int:
         """Pages that `tokens` positions occupy."""
         return -(-tokens // self.page_size)
 
-    def can_allocate(self, pages: int) -> bool:
-        return pages <= len(self._free)
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """The pages of the longest leading run of `keys` the pool holds (nothing changes)."""
+        pages = []
+        for key in keys:
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def can_allocate(self, pages: int, sharing: Sequence[int] = ()) -> bool:
+        """Whether `pages` new pages fit once the cached pages of `sharing` are taken out of the free count."""
+        unheld = sum(1 for p in sharing if self._refs[p] == 0)
+        return pages <= self.free - unheld
+
+    def share(self, pages: Sequence[int]) -> None:
+        """Hold cached pages (from `lookup`) for one more sequence."""
+        for p in pages:
+            if self._refs[p] == 0:
+                del self._cached[p]
+            self._refs[p] += 1
 
     def allocate(self, pages: int) -> list[int]:
-        """Take `pages` free pages (the caller checked `can_allocate`)."""
-        if pages > len(self._free):
-            raise RuntimeError(f"asked for {pages} KV pages, {len(self._free)} free")
-        taken = self._free[len(self._free) - pages :]
-        del self._free[len(self._free) - pages :]
+        """Take `pages` pages (the caller checked `can_allocate`): free ones, then the oldest cached."""
+        if pages > self.free:
+            raise RuntimeError(f"asked for {pages} KV pages, {self.free} free")
+        n = min(pages, len(self._free))
+        taken = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
         taken.reverse()
+        while len(taken) < pages:
+            page, _ = self._cached.popitem(last=False)
+            del self._page_of[self._key_of.pop(page)]
+            self.evictions += 1
+            taken.append(page)
+        for p in taken:
+            self._refs[p] = 1
         return taken
 
-    def release(self, pages: list[int]) -> None:
-        """Give pages back (a finished, aborted or preempted sequence's)."""
-        self._free.extend(reversed(pages))
+    def register(self, page: int, key: bytes) -> None:
+        """A held page now holds the computed prompt page `key`: later requests may share it.
+
+        A key another page holds already stays with that page (two requests computed the same
+        prefix at once); this one stays private and is freed as usual.
+        """
+        if key not in self._page_of and page not in self._key_of:
+            self._page_of[key] = page
+            self._key_of[page] = key
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drop one holder of each page (a finished, aborted or preempted sequence's)."""
+        for p in reversed(pages):
+            self._refs[p] -= 1
+            if self._refs[p] > 0:
+                continue
+            if p in self._key_of:
+                self._cached[p] = None  # most recently released last
+            else:
+                self._free.append(p)

@@ -48,6 +48,12 @@ class NativeEngineConfig:
         help="share of the GPU's memory this llm process may hold (weights, activations, KV pool) when "
         "--kv-cache-gib is 0; the vision process on the same GPU needs the rest (default %(default)s)",
     )
+    prefix_cache: bool = flag(
+        "--prefix-cache",
+        default=True,
+        help="share the KV pages of prompts that begin alike (same image, same leading text) instead of "
+        "computing them again; --no-prefix-cache for benchmarks (default %(default)s)",
+    )
     enforce_eager: bool = flag(
         "--enforce-eager",
         default=False,

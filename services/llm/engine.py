@@ -18,7 +18,7 @@ import threading
 import time
 
 from services.common.errors import MeshError
-from services.common.metrics import BATCH_SIZE, KV_PAGES, KV_SLOTS, PREEMPTIONS, QUEUE_DEPTH
+from services.common.metrics import BATCH_SIZE, KV_PAGES, KV_SLOTS, PREEMPTIONS, PREFIX_TOKENS, QUEUE_DEPTH
 from services.common.qos import QosLevel
 from services.llm.block_manager import BlockManager
 from services.llm.interface import EngineStats, Job, Leases
@@ -43,11 +43,13 @@ class NativeEngine:
         prompts: PromptBuilder,
         default_max_tokens: int,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        prefix_cache: bool = True,
     ) -> None:
+        """`prefix_cache`: share the KV pages of prompts' equal leading pages (services/llm/prefix.py)."""
         self.runner = runner
         self.prompts, self.default_max_tokens = prompts, default_max_tokens
         pages = BlockManager(runner.n_pages, runner.page_size)
-        self.scheduler = Scheduler(max_batch, pages, max_prefill_tokens)
+        self.scheduler = Scheduler(max_batch, pages, max_prefill_tokens, prefix_cache=prefix_cache)
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -58,6 +60,7 @@ class NativeEngine:
         KV_SLOTS.labels("free").set_function(lambda: sched.free_places)
         KV_PAGES.labels("used").set_function(lambda: pages.capacity - pages.free)
         KV_PAGES.labels("free").set_function(lambda: pages.free)
+        KV_PAGES.labels("cached").set_function(lambda: pages.cached)
         waiting = self.scheduler.waiting_by_qos
         for q in QosLevel:
             QUEUE_DEPTH.labels("llm", q.wire).set_function(lambda q=q: waiting[q])
@@ -136,8 +139,7 @@ class NativeEngine:
 
     def _step(self, plan: Plan) -> None:
         now = time.perf_counter()
-        for req in plan.preempted:
-            self.runner.evict(req)
+        for req in plan.preempted:  # it resumes by recomputing what its pages held
             PREEMPTIONS.labels("llm", req.qos.wire).inc()
         for req in plan.admitted:
             if not req.preempted_at:  # resumed requests keep their clocks and their generator
@@ -145,6 +147,8 @@ class NativeEngine:
                 req.generator = None if req.sampling.greedy else self.runner.new_generator(req.sampling.seed)
                 # Preemptible, and its features alias memory it holds only until its prefill.
                 req.copy_features = req.leases is not None and req.qos is QosLevel.BEST_EFFORT
+                PREFIX_TOKENS.labels("hit").inc(req.cached_tokens)
+                PREFIX_TOKENS.labels("miss").inc(req.prompt_len - req.cached_tokens)
         chunks = [c for c in plan.prefill if self._leases_hold(c.req, c.start)]  # not reclaimed while it waited
         decodes = [r for r in plan.decode if r.running]
         if not chunks and not decodes:
@@ -153,6 +157,7 @@ class NativeEngine:
             BATCH_SIZE.labels("llm").observe(len(decodes))
         tokens = self.runner.step(chunks, decodes)  # ends with a host sync: the step's reads are done
         for c in chunks:
+            self.scheduler.computed(c.req)  # its full prompt pages, for the prompts after it
             if c.req.leases and c.req.computed >= c.req.features_end and self._leases_hold(c.req, 0):
                 c.req.drop_leases()  # read, and not reused while it was read
         done = time.perf_counter()

@@ -8,7 +8,7 @@ zero-copy CUDA features) and vLLM's AsyncLLM (services/llm/vllm_engine.py). Call
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from services.common.qos import QosLevel
@@ -28,6 +28,7 @@ class Job:
     features: list[torch.Tensor]  # one [image_tokens, H] per image, in prompt order
     sampling: Sampling
     qos: QosLevel
+    feature_keys: list[bytes] = field(default_factory=list)  # content key per image (b"" unknown); may be empty
 
 
 class Leases(Protocol):

@@ -4,8 +4,9 @@ Imports no torch (tensors appear in type hints only), so the scheduler that orde
 requests stays a pure policy.
 
 Who changes what: the scheduler changes a request's place in line and its KV pages
-(`blocks`, `prefill_target`, `preempted_at`); the model runner changes its tensors and KV
-state (`computed`, `image_features`); the engine changes its outputs and stage clocks.
+(`blocks`, `prefill_target`, `preempted_at`, and where its prefill starts: `computed`, past
+the pages it shares from the prefix cache, or 0); the model runner changes its tensors and
+KV state (`computed`, `image_features`); the engine changes its outputs and stage clocks.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Request:
     detok: Detokenizer
     emit: Callable[[Output], None]  # thread-safe hand-off to the caller's event loop
     arrival: float = field(default_factory=time.perf_counter)
+    image_keys: list[bytes] = field(default_factory=list)  # per image, b"" unknown (see `images`)
     output_ids: list[int] = field(default_factory=list)
     # KV pages held while running, in position order: page i holds positions
     # [i * page_size, (i + 1) * page_size). Reserved at admission for the whole sequence
@@ -64,6 +66,12 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     prefill_target: int = 0  # positions the prefill covers: the prompt, and after a preemption the tokens so far
     computed: int = 0  # positions whose K/V are in the cache
+    # Prefix cache: the keys of the prompt's full pages (None until the scheduler needs them),
+    # how many of its pages are registered in the pool, and the prompt positions its first
+    # admission found cached (usage.cached_tokens).
+    page_keys: list[bytes] | None = None
+    registered: int = 0
+    cached_tokens: int = 0
     generator: torch.Generator | None = None
     aborted: bool = False
     # Copy the features before the prefill reads them: they alias the vision's memory, whose
@@ -105,6 +113,12 @@ class Request:
     def features_end(self) -> int:
         """One past the last position that reads image features (0 without images)."""
         return max((p + f.shape[0] for p, f in zip(self.image_positions, self.image_features, strict=True)), default=0)
+
+    @property
+    def images(self) -> list[tuple[int, int, bytes]]:
+        """(first position, positions, content key) of each image; b"" where the key is unknown."""
+        keys = self.image_keys or [b""] * len(self.image_features)
+        return [(p, f.shape[0], k) for p, f, k in zip(self.image_positions, self.image_features, keys, strict=True)]
 
     @property
     def image_tokens(self) -> int:

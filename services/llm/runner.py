@@ -215,9 +215,10 @@ class ModelRunner:
     def _scatter_features(self, x: torch.Tensor, chunk: Chunk, row: int) -> None:
         """Write the image features that fall inside the chunk over their placeholder embeddings."""
         req = chunk.req
-        if req.copy_features and chunk.start < req.features_end:
-            # They alias memory whose lease ends after this prefill, and the request may be
-            # recomputed later (preemption): keep a copy, made before the lease goes.
+        if req.copy_features:
+            # They alias memory whose lease ends after this step, and the request may be
+            # recomputed later (preemption): keep a copy, made before the lease goes. Also when
+            # this chunk reads none of them (its prefix was cached): a resume may need them.
             req.image_features = [f.to(self.device, self.dtype).clone() for f in req.image_features]
             req.copy_features = False
         for pos, feats in zip(req.image_positions, req.image_features, strict=True):
@@ -255,9 +256,5 @@ class ModelRunner:
         return peak
 
     # ---- request state ----
-    def evict(self, req: Request) -> None:
-        """Forget a preempted request's KV state: it resumes by recomputing its prompt and tokens."""
-        req.computed = 0
-
     def new_generator(self, seed: int | None) -> torch.Generator:
         return new_generator(self.device, seed)

@@ -13,6 +13,13 @@ pool has pages for its whole sequence (prompt + max_new); it holds them until it
 So a running request never waits for memory, and a request waits in line rather than
 failing when the pool is full.
 
+Prefix cache: at admission the request's leading full prompt pages are looked up by key
+(services/llm/prefix.py) and the pool's pages shared; its prefill starts after them (always
+leaving one prompt position to compute). As a prefill completes full prompt pages the
+engine registers them (`computed`), for the requests after it. Preemption and finishing
+drop the request's hold on its pages; cached pages nobody holds are evicted only when the
+pool needs them (services/llm/block_manager.py).
+
 Preemption: when a realtime request heads the queue and there is no place or no room for
 it, the scheduler takes the place and pages of running best-effort requests that still
 compete below it (a best-effort request ages into the realtime class after 2 x AGING_S, and
@@ -31,6 +38,7 @@ from dataclasses import dataclass, field
 
 from services.common.qos import AGING_S, QosLevel, effective_class
 from services.llm.block_manager import BlockManager
+from services.llm.prefix import page_keys
 from services.llm.request import Request
 
 DEFAULT_MAX_PREFILL_TOKENS = 2048
@@ -70,6 +78,7 @@ class Scheduler:
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         aging_s: float = AGING_S,
         clock: Callable[[], float] = time.perf_counter,
+        prefix_cache: bool = True,
     ) -> None:
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
@@ -77,6 +86,7 @@ class Scheduler:
         self._waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order
         self.aging_s, self.clock = aging_s, clock
+        self.prefix_cache = prefix_cache
         # Waiting requests per class, kept as the queue changes (read by the engine's gauges).
         self.waiting_by_qos: Counter[QosLevel] = Counter()
 
@@ -122,15 +132,21 @@ class Scheduler:
             if req.aborted:
                 self._pop()
                 continue
-            pages = self.blocks.pages_for(self._tokens(req))
-            while not self._room(pages):
+            shared = self._cached_prefix(req)
+            new_pages = self.blocks.pages_for(self._tokens(req)) - len(shared)
+            while not self._room(new_pages, shared):
                 victim = self._victim(req, now)
                 if victim is None:
                     return budget  # the head waits; nothing behind it overtakes it
                 self._preempt(victim, now)
                 plan.preempted.append(victim)
             self._pop()
-            req.blocks = self.blocks.allocate(pages)
+            self.blocks.share(shared)
+            req.blocks = shared + self.blocks.allocate(new_pages)
+            req.registered = len(shared)
+            req.computed = len(shared) * self.blocks.page_size  # its prefill starts after the shared pages
+            if not req.preempted_at:
+                req.cached_tokens = req.computed
             req.prefill_target = req.seq_len
             self.running.append(req)
             plan.admitted.append(req)
@@ -144,8 +160,27 @@ class Scheduler:
         """Positions a request may fill: its prompt and every token it may generate."""
         return req.prompt_len + req.max_new
 
-    def _room(self, pages: int) -> bool:
-        return len(self.running) < self.max_batch and self.blocks.can_allocate(pages)
+    def _room(self, pages: int, shared: list[int]) -> bool:
+        return len(self.running) < self.max_batch and self.blocks.can_allocate(pages, shared)
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The pool's pages of the request's leading prompt pages; at least one prompt position is left
+        to compute (its logits give the first token)."""
+        if not self.prefix_cache:
+            return []
+        if req.page_keys is None:
+            req.page_keys = page_keys(req.prompt_ids, req.images, self.blocks.page_size)
+        return self.blocks.lookup(req.page_keys[: (req.prompt_len - 1) // self.blocks.page_size])
+
+    def computed(self, req: Request) -> None:
+        """Register the full prompt pages a step computed, so that later prompts may share them."""
+        keys = req.page_keys
+        if not keys or not req.running:
+            return
+        done = min(req.computed // self.blocks.page_size, len(keys))
+        for i in range(req.registered, done):
+            self.blocks.register(req.blocks[i], keys[i])
+        req.registered = max(req.registered, done)
 
     def _class(self, req: Request, now: float) -> int:
         return effective_class(req.qos, now - req.arrival, self.aging_s)
@@ -171,6 +206,7 @@ class Scheduler:
         Its KV state is the runner's to reset (the engine tells it, from the plan).
         """
         self._release(req)
+        req.computed = 0  # its KV state goes with its pages; admission sets where it resumes
         req.preempted_at.append(now)
         self.add(req)
 

@@ -84,7 +84,8 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
                     refs, shape=(self.spec.image_tokens, self.spec.text.hidden), field="image_features"
                 )
             handoff = time.perf_counter() - t0
-            job = Job(request.request_id, request.prompt, features.tensors, sampling, qos)
+            keys = [ref.content_key for ref in refs]
+            job = Job(request.request_id, request.prompt, features.tensors, sampling, qos, keys)
             # An engine that reads in place verifies, then releases, the leases after its prefill.
             sub = self.engine.submit(job, features.hold() if self.engine.reads_in_place else None)
         except BaseException:
@@ -108,7 +109,10 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
         timings = req.timings().replace(handoff=handoff_s)
         self._record(req, timings)
         usage = pb.Usage(
-            prompt_tokens=req.text_tokens, image_tokens=req.image_tokens, output_tokens=len(req.output_ids)
+            prompt_tokens=req.text_tokens,
+            image_tokens=req.image_tokens,
+            output_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
         )
         return llm_pb2.LlmGenerateResponse(
             text=out.text,

@@ -41,6 +41,7 @@ def new_request(prompts: PromptBuilder, default_max_tokens: int, job: Job, emit:
         prompt_ids=built.ids,
         image_positions=built.image_positions,
         image_features=job.features,
+        image_keys=list(job.feature_keys),
         text_tokens=built.text_tokens,
         sampling=sampling,
         max_new=sampling.max_tokens if sampling.max_tokens is not None else min(default_max_tokens, room),

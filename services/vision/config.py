@@ -36,7 +36,7 @@ class VisionConfig:
         default=30.0,
         help="seconds before an unreleased feature slot is reclaimed (default %(default)s)",
     )
-    feature_cache_mib: int = flag(
+    feature_cache_mib: float = flag(
         "--feature-cache-mib",
         default=DEFAULT_FEATURE_CACHE_MIB,
         help="arena memory (MiB, beside --arena-slots) that keeps the features of images seen before, "
@@ -76,10 +76,10 @@ class VisionConfig:
             raise ValueError("; ".join(problems))
 
 
-def kept_slots(cache_mib: int, slot_bytes: int) -> int:
+def kept_slots(cache_mib: float, slot_bytes: int) -> int:
     """How many feature slots `--feature-cache-mib` holds (slots are page-aligned)."""
     page = 4096  # the arenas' slot alignment (services/handoff/arena.py)
-    return cache_mib * 2**20 // ((slot_bytes + page - 1) // page * page)
+    return int(cache_mib * 2**20) // ((slot_bytes + page - 1) // page * page)
 
 
 def parse(argv: list[str] | None = None) -> VisionConfig:

@@ -12,10 +12,10 @@ from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 
-def request(max_tokens: int, request_id: str = "") -> gateway_pb2.GenerateRequest:
+def request(max_tokens: int, request_id: str = "", image: int = 11) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(
         request_id=request_id,
-        images=[pb.Image(data=image_bytes(11))],
+        images=[pb.Image(data=image_bytes(image))],
         prompt="Describe the picture in detail.",
         sampling=pb.SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens),
     )
@@ -28,7 +28,7 @@ def stub(mesh):
 
 
 def test_stream_then_final_message(stub):
-    req = request(24, request_id="my-id-1")
+    req = request(24, request_id="my-id-1", image=1101)  # a picture no other test sends: the vision encodes it
     msgs = list(stub.Generate(req, timeout=60))
     assert all(m.request_id == "my-id-1" for m in msgs)
     assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
@@ -38,6 +38,10 @@ def test_stream_then_final_message(stub):
     assert final.usage.image_tokens == 16 and final.usage.prompt_tokens > 5
     t = final.timings
     assert t.total_ms >= t.ttft_ms > 0 and t.prefill_ms > 0 and t.decode_ms > 0 and t.vision_ms > 0
+    assert final.usage.cached_tokens == 0
+    again = list(stub.Generate(request(24, request_id="my-id-2", image=1101), timeout=60))[-1]
+    assert again.timings.vision_ms == again.timings.preprocess_ms == 0  # its features were cached
+    assert again.usage.cached_tokens > 0  # and its prompt's leading pages
     unary = stub.GenerateUnary(req, timeout=60)
     assert unary.text == "".join(m.text for m in msgs)
     assert list(unary.token_ids) == [i for m in msgs for i in m.token_ids]

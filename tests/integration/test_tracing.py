@@ -27,6 +27,7 @@ STAGE_SPANS = {
     "gateway.admission",
     "gateway.vision",
     "gateway.llm",
+    "vision.cache_lookup",
     "vision.preprocess",
     "vision.queue",
     "vision.encode",
@@ -104,10 +105,10 @@ def test_one_trace_per_request_across_three_services(phoenix, tiny_model, protoc
         mesh.start(progress=lambda m: None)
         with grpc.insecure_channel(mesh.target("gateway")) as ch:
             stub = gateway_pb2_grpc.GatewayStub(ch)
-            for rid, level in ids.items():
+            for i, (rid, level) in enumerate(ids.items()):
                 req = gateway_pb2.GenerateRequest(
                     request_id=rid,
-                    images=[pb.Image(data=image_bytes(2))],
+                    images=[pb.Image(data=image_bytes(2 + i))],  # each new: the vision runs every stage
                     prompt="What is in the image?",
                     sampling=pb.SamplingParams(max_tokens=4),
                 )
@@ -132,6 +133,7 @@ def test_one_trace_per_request_across_three_services(phoenix, tiny_model, protoc
         trace = [s for s in everything if s["context"]["trace_id"] == tid]
         names = {s["name"] for s in trace}
         assert STAGE_SPANS <= names, f"{rid}: missing {STAGE_SPANS - names}"
+        assert next(s for s in trace if s["name"] == "vision.cache_lookup")["attributes"]["cache.hit"] is False
         services = {s["attributes"].get("service.name") for s in trace}
         assert {"vlmesh-gateway", "vlmesh-vision", "vlmesh-llm"} <= services
         by_id = {s["context"]["span_id"]: s for s in trace}

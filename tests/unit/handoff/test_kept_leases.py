@@ -17,7 +17,7 @@ def test_a_kept_lease_is_found_by_its_key_and_survives_its_readers():
     table = LeaseTable(3, ttl_s=10, keep_limit=2)
     lease = table.acquire()
     assert table.keep(lease.id, b"a") is True
-    assert table.release(lease.id) == (True, None)  # kept: not freed
+    assert table.release(lease.id) == (True, lease.slot)  # unread now, but kept: not freed
     assert (table.leased, table.kept) == (0, 1)
     again = table.find(b"a")
     assert again is lease and again.refs == 1 and table.leased == 1
@@ -64,7 +64,7 @@ def test_an_expired_kept_lease_goes_idle_not_free():
     lease = table.acquire(refs=2)  # a reader that never releases
     table.keep(lease.id, b"a")
     time.sleep(0.1)
-    assert table.reap() == []
+    assert table.reap() == [lease.slot]  # unread now (its header entry goes), not freed
     assert table.leased == 0 and table.find(b"a") is lease and lease.refs == 1
 
 
@@ -76,9 +76,11 @@ def test_an_evicted_slot_refuses_its_old_references_before_it_is_overwritten():
         arena.release(lease.id)
         view = ArenaView(arena.name)
         try:
-            assert read_host(view, offset, 256, lease.id, torch.float32, [64]).sum() == 64  # idle, still valid
+            with pytest.raises(FailedPrecondition, match="stale"):  # released: refused, even though kept
+                read_host(view, offset, 256, lease.id, torch.float32, [64])
             shared = arena.share(b"a")
-            assert shared is lease
+            assert shared is lease  # the next reader of the key: published again
+            assert read_host(view, offset, 256, lease.id, torch.float32, [64]).sum() == 64
             arena.release(lease.id)
             fresh = arena.acquire()  # evicts a; its header entry is cleared before any write
             with pytest.raises(FailedPrecondition, match="stale"):

@@ -65,7 +65,7 @@ CUSTOM = {
         model=MODEL,
         max_batch=7,
         arena_slots=9,
-        feature_cache_mib=7,
+        feature_cache_mib=7.5,
         lease_ttl_s=0.5,
         preprocess_workers=5,
         ready_signal="event",
@@ -79,7 +79,12 @@ CUSTOM = {
         vision_port_file="/tmp/vision.ports.json",
         vllm_kv_cache_gib=2.5,
         native=llm_config.NativeEngineConfig(
-            max_prefill_tokens=512, kv_page_size=32, kv_cache_gib=1.5, gpu_memory_utilization=0.5, enforce_eager=True
+            max_prefill_tokens=512,
+            kv_page_size=32,
+            kv_cache_gib=1.5,
+            gpu_memory_utilization=0.5,
+            enforce_eager=True,
+            prefix_cache=False,
         ),
     ),
 }

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.common.errors import FailedPrecondition
 from services.common.qos import QosLevel
@@ -140,16 +141,31 @@ def test_leases_verified_around_the_prefill_then_released_once(parts):
     assert (leases.verified, leases.released) == (2, 1)  # before and after the prefill read the features
 
 
+def test_a_prefix_hit_that_reads_no_features_still_releases_them_once(parts):
+    """The image's positions come from cached pages: the features are not read; a preemptible
+    request still copies them first (a resume whose pages were evicted reads them)."""
+    first = parts.request(64, PROMPTS[0], max_tokens=4, min_tokens=4)
+    parts.run(first)
+    leases = Leases()
+    hit = with_leases(parts.request(64, PROMPTS[0], qos=QosLevel.BEST_EFFORT, max_tokens=4, min_tokens=4), leases)
+    features = hit[0].image_features[0]
+    parts.run(hit)
+    assert hit[0].cached_tokens > hit[0].features_end  # the features were not needed...
+    assert hit[1]["ids"] == first[1]["ids"] and leases.released == 1
+    assert hit[0].image_features[0] is not features and torch.equal(hit[0].image_features[0], features)  # ...copied
+
+
 @pytest.mark.parametrize("fail_on", [1, 2], ids=["lost-while-waiting", "lost-while-read"])
 def test_a_lost_lease_fails_the_request_with_failed_precondition(parts, fail_on):
     leases = Leases(fail_on=fail_on)
-    pair = with_leases(parts.request(6, PROMPTS[1], max_tokens=4), leases)
+    image = 60 + fail_on  # a picture no other request showed: no cached prefix spares reading the features
+    pair = with_leases(parts.request(image, PROMPTS[1], max_tokens=4), leases)
     parts.run(pair)
     assert pair[1]["finish"] is Finish.ERROR and pair[1]["ids"] == []  # no token computed from reused memory
     assert isinstance(pair[1]["errors"][0], FailedPrecondition)
     assert leases.released == 1
     assert_idle(parts.engine)
-    after = parts.request(6, PROMPTS[1], max_tokens=4)
+    after = parts.request(image, PROMPTS[1], max_tokens=4)
     parts.run(after)  # the engine keeps serving
     assert after[1]["finish"] is Finish.LENGTH
 

@@ -13,9 +13,13 @@ class FakeRequest:
 
     seq_len, running, prefilling = Request.seq_len, Request.running, Request.prefilling
 
-    def __init__(self, rid: str, qos: QosLevel, arrival: float, prompt: int = 10, max_new: int = 6) -> None:
+    def __init__(
+        self, rid: str, qos: QosLevel, arrival: float, prompt: int = 10, max_new: int = 6, keys: list | None = None
+    ) -> None:
         self.id, self.qos, self.arrival = rid, qos, arrival
         self.prompt_ids, self.max_new = [0] * prompt, max_new
+        self.page_keys = keys or []  # the prefix cache's page keys (none: nothing is shared)
+        self.registered = self.cached_tokens = 0
         self.aborted, self.computed, self.prefill_target = False, 0, 0
         self.blocks: list[int] = []
         self.output_ids: list[int] = []
@@ -204,3 +208,70 @@ def test_realtime_preempts_best_effort_for_pages_too():
     sched.add(FakeRequest("rt", QosLevel.REALTIME, clock[0]))
     plan = sched.schedule()
     assert [r.id for r in plan.preempted] == ["be"] and [r.id for r in plan.admitted] == ["rt"]
+
+
+# --- the prefix cache ---
+
+
+def keyed(rid, keys, prompt=12, qos=QosLevel.STANDARD, t=0.0):
+    return FakeRequest(rid, qos, t, prompt=prompt, max_new=4, keys=keys)
+
+
+def test_a_request_starts_after_the_pages_an_earlier_one_computed():
+    sched = scheduler(max_batch=2, pages=16, page_size=4)
+    first = keyed("a", [b"0", b"1", b"2"])
+    sched.add(first)
+    run_plan(sched.schedule())
+    sched.computed(first)
+    assert first.registered == 3 and first.cached_tokens == 0
+    second = keyed("b", [b"0", b"1", b"X"])
+    sched.add(second)
+    plan = sched.schedule()
+    (chunk,) = plan.prefill
+    assert (chunk.req, chunk.start) == (second, 8)  # two shared pages: 8 positions not computed
+    assert second.blocks[:2] == first.blocks[:2] and second.blocks[2] != first.blocks[2]
+    assert second.cached_tokens == 8
+
+
+def test_one_prompt_position_is_always_left_to_compute():
+    sched = scheduler(max_batch=2, pages=16, page_size=4)
+    first = keyed("a", [b"0", b"1", b"2"])
+    sched.add(first)
+    run_plan(sched.schedule())
+    sched.computed(first)
+    again = keyed("b", [b"0", b"1", b"2"])  # the same 12-position prompt: 3 full pages
+    sched.add(again)
+    (chunk,) = sched.schedule().prefill
+    assert chunk.start == 8 and chunk.end == 12  # the last page is computed: its logits give the first token
+
+
+def test_finishing_and_preemption_drop_holds_and_cached_pages_serve_a_resume():
+    clock = [0.0]
+    sched = scheduler(max_batch=1, pages=8, page_size=4, clock=lambda: clock[0])
+    be = keyed("be", [b"0", b"1"], prompt=9, qos=QosLevel.BEST_EFFORT)
+    sched.add(be)
+    run_plan(sched.schedule())
+    sched.computed(be)
+    rt = keyed("rt", [b"r0"], prompt=5, qos=QosLevel.REALTIME, t=0.0)
+    sched.add(rt)
+    plan = sched.schedule()
+    assert plan.preempted == [be] and be.computed == 0 and not be.blocks
+    assert sched.blocks.cached == 2  # be's computed pages stay cached, held by nobody
+    run_plan(plan)
+    sched.finish(rt)
+    plan = sched.schedule()
+    (chunk,) = plan.prefill
+    assert chunk.req is be and chunk.start == 8  # it resumes after its own cached pages
+    assert be.cached_tokens == 0  # what its first admission found
+    sched.finish(be)
+    assert sched.blocks.free == sched.blocks.capacity
+
+
+def test_switched_off_nothing_is_shared():
+    sched = scheduler(max_batch=2, pages=16, page_size=4)
+    sched.prefix_cache = False
+    first = FakeRequest("a", QosLevel.STANDARD, 0.0, prompt=12)
+    first.page_keys = None  # would be computed, were the cache on
+    sched.add(first)
+    (chunk,) = sched.schedule().prefill
+    assert chunk.start == 0 and first.page_keys is None

@@ -197,3 +197,4 @@ def test_kept_slots_follow_the_arena_alignment():
     assert kept_slots(1, 4096) == 256
     assert kept_slots(1, 5000) == 2**20 // align(5000) == 128
     assert kept_slots(0, 4096) == 0
+    assert kept_slots(0.25, 4096) == 64

@@ -1,0 +1,126 @@
+"""Prefix KV reuse: page keys, shared and cached pages, and a hit that decodes exactly as a miss."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.llm.block_manager import BlockManager
+from services.llm.config import NativeEngineConfig
+from services.llm.prefix import page_keys
+from tests.helpers import PROMPTS, Parts
+
+IMG_A, IMG_B = b"a" * 16, b"b" * 16
+
+
+# --- page keys ---
+
+
+def test_keys_chain_over_full_pages_and_name_the_image():
+    ids = list(range(20))
+    with_a = page_keys(ids, [(4, 8, IMG_A)], 4)
+    assert len(with_a) == 5  # full pages only
+    assert page_keys(ids, [(4, 8, IMG_A)], 4) == with_a
+    with_b = page_keys(ids, [(4, 8, IMG_B)], 4)
+    assert with_b[0] == with_a[0] and with_b[1] != with_a[1]  # equal up to the image, apart from it on
+    assert all(x != y for x, y in zip(with_a[1:], with_b[1:], strict=True))  # the chain carries it
+    moved = page_keys(ids, [(5, 8, IMG_A)], 4)
+    assert moved[1] != with_a[1]  # the same image elsewhere is another prompt
+    other_text = page_keys([*ids[:18], 99, 98], [(4, 8, IMG_A)], 4)
+    assert other_text[:4] == with_a[:4] and other_text[4] != with_a[4]
+
+
+def test_an_image_without_a_key_ends_the_chain():
+    assert len(page_keys(list(range(20)), [(6, 8, b"")], 4)) == 1  # page 0 only: page 1 reads the image
+
+
+# --- the block manager ---
+
+
+def test_shared_pages_are_counted_and_cached_ones_count_as_free():
+    bm = BlockManager(n_pages=5, page_size=4)  # 4 usable
+    a = bm.allocate(2)
+    bm.register(a[0], b"k0")
+    bm.register(a[1], b"k1")
+    assert bm.lookup([b"k0", b"k1", b"k2"]) == a
+    bm.share(a)  # a second holder
+    bm.release(a)
+    assert bm.free == 2  # still held once
+    bm.release(a)
+    assert bm.free == 4 and bm.cached == 2  # cached, and free to take
+    assert bm.can_allocate(3, sharing=a[:1]) is True
+    assert bm.can_allocate(4, sharing=a[:1]) is False  # sharing a cached page takes it out of the free count
+
+
+def test_allocation_takes_free_pages_first_then_evicts_the_least_recently_released():
+    bm = BlockManager(n_pages=4, page_size=4)  # 3 usable
+    p = bm.allocate(3)
+    for page, key in zip(p, [b"x", b"y", b"z"], strict=True):
+        bm.register(page, key)
+    bm.release([p[1]])
+    bm.release([p[0]])
+    bm.release([p[2]])  # released order: y, x, z
+    assert bm.allocate(1) == [p[1]] and bm.lookup([b"y"]) == [] and bm.evictions == 1
+    assert bm.lookup([b"x"]) == [p[0]]  # not evicted
+    bm.share([p[0]])
+    assert bm.allocate(1) == [p[2]]  # x is held: z goes
+    with pytest.raises(RuntimeError):
+        bm.allocate(1)
+
+
+def test_a_key_held_by_another_page_stays_with_it():
+    bm = BlockManager(n_pages=4, page_size=4)
+    a, b = bm.allocate(2)
+    bm.register(a, b"k")
+    bm.register(b, b"k")  # computed the same prefix at the same time
+    assert bm.lookup([b"k"]) == [a]
+    bm.release([b])
+    assert bm.free == 2 and bm.cached == 1  # b went back to the free list, uncached
+
+
+# --- the engine: a hit decodes exactly as a miss (CPU, fp32) ---
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    on = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(kv_page_size=4))
+    off = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(kv_page_size=4, prefix_cache=False))
+    yield on, off
+    on.engine.stop()
+    off.engine.stop()
+
+
+def test_hits_decode_exactly_as_misses_and_different_images_share_nothing(engines):
+    on, off = engines
+    jobs = [(0, PROMPTS[0]), (0, PROMPTS[0]), (0, PROMPTS[1]), (1, PROMPTS[0]), (0, PROMPTS[0])]
+    got, cached = [], []
+    for seed, prompt in jobs:  # one at a time: each finds what the ones before it computed
+        req, box = on.request(seed, prompt, max_tokens=10, min_tokens=10)
+        on.run((req, box))
+        got.append(box["ids"])
+        cached.append(req.cached_tokens)
+    want = []
+    for seed, prompt in jobs:
+        req, box = off.request(seed, prompt, max_tokens=10, min_tokens=10)
+        off.run((req, box))
+        want.append(box["ids"])
+        assert req.cached_tokens == 0
+    assert got == want
+    req0, _ = on.request(0, PROMPTS[0])
+    n, image_at = req0.prompt_len, req0.image_positions[0]
+    assert cached[0] == 0
+    assert cached[1] == (n - 1) // 4 * 4  # all but the last page
+    assert image_at + 16 <= cached[2] < n  # the image and the shared leading text, not the question
+    assert cached[3] == image_at // 4 * 4  # another image of equal size: only the text before it
+    assert cached[4] == cached[1]
+    pages = on.engine.scheduler.blocks
+    assert pages.free == pages.capacity and pages.cached > 0
+
+
+def test_concurrent_equal_prompts_share_once_registered_and_all_decode_alike(engines):
+    on, _ = engines
+    pairs = [on.request(5, PROMPTS[2], max_tokens=6, min_tokens=6) for _ in range(3)]
+    on.run(*pairs)
+    later = on.request(5, PROMPTS[2], max_tokens=6, min_tokens=6)
+    on.run(later)
+    assert all(box["ids"] == later[1]["ids"] for _, box in pairs)
+    assert later[0].cached_tokens > 0
