@@ -138,3 +138,31 @@ def test_peer_checkpoint_renames_vision_keys_and_adds_bos(tmp_path):
     assert (out / "chat_template.jinja").read_text().startswith("{{ bos_token }}{% for")
     assert (out / "config.json").is_file()
     assert prepare_checkpoint(str(src), tmp_path / "peer") == out  # made once
+
+
+def test_cache_summary_splits_hits_from_misses_and_bounds_the_hit_ratio():
+    from services.bench.load import Record
+    from services.bench.report import cache_table
+    from services.bench.workloads import BenchRequest
+    from services.common.qos import QosLevel
+
+    def record(i: int, t: float, key: int, hit: bool, ttft: float, cached: int = 0) -> Record:
+        stages = Timings() if hit else Timings(preprocess=0.002, vision=0.01)
+        outcome = Outcome("OK", 0.1, ttft, 4, stages, cached_tokens=cached)
+        return Record(BenchRequest(i, b"", key, "p", 4, QosLevel.STANDARD), t, t, outcome)
+
+    records = [
+        record(0, 0.5, 1, False, 0.050),  # warm-up
+        record(1, 2.0, 1, True, 0.010, cached=128),
+        record(2, 3.0, 2, False, 0.060),
+        record(3, 4.0, 2, True, 0.020, cached=128),
+        record(4, 5.0, 3, False, 0.040),
+    ]
+    summary = summarize_run(records, rate=1.0, duration_s=6.0, warmup_s=1.0, client={})
+    c = summary["cache"]
+    assert c["feature_hit_ratio"] == 0.5 and c["prefix_hit_ratio"] == 0.5
+    assert c["repeat_ratio"] == 0.5  # keys 1 (seen in warm-up) and 2 (seen at 3.0) repeat; 2 and 3 are new
+    assert c["ttft_ms_hit"]["p50"] == pytest.approx(15.0) and c["ttft_ms_miss"]["p50"] == pytest.approx(50.0)
+    text = cache_table([{"target": "mesh", "workload": "W3", "summary": summary}])
+    assert "50.0%" in text and "0.30" in text  # the hit/miss TTFT ratio
+    assert cache_table([{"target": "mesh", "workload": "W1", "summary": {**summary, "cache": {}}}]) == ""
