@@ -86,7 +86,10 @@ class RequestFactory:
         data = self._cache.get(key)
         if data is None:
             size = self.workload.image_size
-            pic = render(np.random.default_rng([self.seed, 7, key]))
+            # A pool draws its pictures from another stream than the distinct ones: a W3 run after a
+            # W1 run on the same mesh must not find its pool in the feature cache already.
+            stream = 17 if self.workload.pool else 7
+            pic = render(np.random.default_rng([self.seed, stream, key]))
             data = encode(pic.image.resize((size, size)), "JPEG", 90)
             if self.workload.pool:
                 self._cache[key] = data  # a pool is small; distinct images are not kept
