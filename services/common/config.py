@@ -20,6 +20,7 @@ from services.common.memory import Watermarks, parse_watermarks
 SWITCH_INTERVAL_MS = 0.5
 # How a CUDA hand-off's reader knows the slot is written (services/common/cuda_arena.py).
 READY_SIGNALS = ("sync", "event")
+QUANTIZATIONS = ("none", "int8", "int4")  # --quantize (services/model/quantize.py)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # The mesh's well-known defaults, each written once. Each service's config names its own

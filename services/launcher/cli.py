@@ -53,6 +53,7 @@ LLM_FLAGS = (
     "kv_cache_gib",
     "gpu_memory_utilization",
     "prefix_cache",
+    "quantize",
     "enforce_eager",
 )
 GATEWAY_FLAGS = ("tenants", "access_log", "max_images", "max_in_flight", "stage_budgets_ms", "class_budget_scale")

@@ -5,7 +5,14 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from services.common.config import LLM_MAX_BATCH, MESH_METRICS_PORTS, MESH_PORTS, ModelConfig, ServerConfig
+from services.common.config import (
+    LLM_MAX_BATCH,
+    MESH_METRICS_PORTS,
+    MESH_PORTS,
+    QUANTIZATIONS,
+    ModelConfig,
+    ServerConfig,
+)
 from services.common.flags import flag, nested, parse_config
 from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS
 
@@ -47,6 +54,13 @@ class NativeEngineConfig:
         default=0.6,
         help="share of the GPU's memory this llm process may hold (weights, activations, KV pool) when "
         "--kv-cache-gib is 0; the vision process on the same GPU needs the rest (default %(default)s)",
+    )
+    quantize: str = flag(
+        "--quantize",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="weight-only quantization of the decoder layers at load time, from the same checkpoint: int8 "
+        "(per-channel scales; CPU and CUDA) or int4 (groups of 128; CUDA and bf16 only) (default %(default)s)",
     )
     prefix_cache: bool = flag(
         "--prefix-cache",

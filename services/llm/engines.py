@@ -48,5 +48,7 @@ def build_native(
 
     cfg = cfg or NativeEngineConfig()
     kv = KvConfig(cfg.page_size(device.type), cfg.kv_cache_gib, cfg.gpu_memory_utilization)
-    runner = ModelRunner(prompts.spec, device, dtype, max_batch, kv, cfg.max_prefill_tokens, cfg.enforce_eager)
+    runner = ModelRunner(
+        prompts.spec, device, dtype, max_batch, kv, cfg.max_prefill_tokens, cfg.enforce_eager, cfg.quantize
+    )
     return NativeEngine(runner, max_batch, prompts, default_max_tokens, cfg.max_prefill_tokens, cfg.prefix_cache)

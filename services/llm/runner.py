@@ -27,6 +27,7 @@ from services.llm.scheduler import Chunk
 from services.llm.staging import Staging
 from services.model.checkpoint import load_decoder
 from services.model.llama import rope_tables
+from services.model.quantize import quantize_decoder
 from services.model.spec import LlavaSpec
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class ModelRunner:
         kv: KvConfig,
         max_prefill_tokens: int,
         enforce_eager: bool = False,
+        quantize: str = "none",
     ) -> None:
         self.spec, self.device, self.dtype = spec, device, dtype
         t = spec.text
@@ -49,6 +51,7 @@ class ModelRunner:
         self.page_size = kv.page_size
         self.max_pages = -(-t.max_context // kv.page_size)  # block-table width
         self.model = load_decoder(spec, device, dtype)
+        quantize_decoder(self.model.layers, quantize, device, dtype)  # weight-only; "none" leaves it
         self.rope = rope_tables(spec, device, dtype)
         eos = list(t.eos_token_ids)
         self.eos = torch.tensor(eos, dtype=torch.int64, device=device) if eos else None  # banned under min_tokens

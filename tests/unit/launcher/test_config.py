@@ -84,6 +84,7 @@ CUSTOM = {
             kv_cache_gib=1.5,
             gpu_memory_utilization=0.5,
             enforce_eager=True,
+            quantize="int8",
             prefix_cache=False,
         ),
     ),

@@ -1,0 +1,75 @@
+"""Weight-only quantization of the decoder, at load time, from the same checkpoint (torchao).
+
+- `int8`: per-output-channel int8 weights with one scale each (torchao's Int8WeightOnlyConfig);
+  runs on the CPU and on CUDA.
+- `int4`: grouped int4 weights (groups of 128 input channels, a scale and zero point each) in
+  torchao's `tile_packed_to_4d` layout, whose matmul is tinygemm in core torch; CUDA and bf16
+  only.
+
+Only the decoder layers' projections are quantized (q/k/v, o, gate/up, down: all but a few
+percent of the bytes a decode step reads). The embedding table and the LM head stay in the
+model's dtype: the embedding is a gather, not a matmul, and the head decides every token.
+
+torchao is imported only when a quantization is asked for: it is several hundred milliseconds
+to import and logs a warning per optional extension it cannot load.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from services.common.config import QUANTIZATIONS
+
+log = logging.getLogger(__name__)
+
+INT4_GROUP = 128
+
+
+def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Quantize every nn.Linear under `layers` in place; ValueError naming the flag when `how` cannot run here."""
+    if how == "none":
+        return
+    if how not in QUANTIZATIONS:
+        raise ValueError(f"--quantize {how!r}: use one of {', '.join(QUANTIZATIONS)}")
+    linears = [m for m in layers.modules() if isinstance(m, nn.Linear)]
+    if how == "int4":
+        if device.type != "cuda" or dtype != torch.bfloat16:
+            raise ValueError(
+                f"--quantize int4 needs a CUDA GPU and bf16 (its tinygemm kernels), not {device.type} and "
+                f"{str(dtype).removeprefix('torch.')}: use --quantize int8 here"
+            )
+        odd = sorted({m.in_features for m in linears if m.in_features % INT4_GROUP})
+        if odd:
+            raise ValueError(f"--quantize int4 groups {INT4_GROUP} input channels; this model has layers of {odd}")
+    logging.getLogger("torchao").setLevel(logging.ERROR)  # its optional extensions' load warnings
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    if how == "int8":
+        config = Int8WeightOnlyConfig()
+    else:
+        config = Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d")
+    before = weight_bytes(layers)
+    quantize_(layers, config)
+    log.info(
+        "decoder layers quantized to %s: %d linears, %.1f -> %.1f MiB of weights",
+        how,
+        len(linears),
+        before / 2**20,
+        weight_bytes(layers) / 2**20,
+    )
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of the module's parameters as stored (quantized data and scales included)."""
+    total = 0
+    for p in module.parameters():
+        inner = getattr(p, "__tensor_flatten__", None)
+        if inner is None:
+            total += p.numel() * p.element_size()
+        else:
+            names, _ = inner()
+            total += sum(getattr(p, n).numel() * getattr(p, n).element_size() for n in names)
+    return total

@@ -1,0 +1,57 @@
+"""Weight-only quantization (torchao): int8 on the CPU, clear errors where a kind cannot run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from services.llm.config import NativeEngineConfig
+from services.model import shapes
+from services.model.quantize import quantize_decoder, weight_bytes
+from tests.helpers import ROOT, Parts
+
+CPU = torch.device("cpu")
+
+
+def test_int8_keeps_the_layers_close_and_stores_a_quarter_of_the_bytes():
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(256, 512, bias=False), nn.Linear(512, 128, bias=False))
+    x = torch.randn(8, 256)
+    want = layers(x)
+    before = weight_bytes(layers)
+    quantize_decoder(layers, "int8", CPU, torch.float32)
+    got = layers(x)
+    assert type(layers[0].weight).__name__ == "Int8Tensor"
+    assert weight_bytes(layers) < before / 3  # int8 data and one fp32 scale per output channel
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+    assert not torch.equal(got, want)  # it did quantize
+
+
+def test_none_changes_nothing_and_bad_kinds_say_what_to_do():
+    layer = nn.Linear(128, 128)
+    weight = layer.weight
+    quantize_decoder(layer, "none", CPU, torch.float32)
+    assert layer.weight is weight
+    with pytest.raises(ValueError, match=r"int4 needs a CUDA GPU and bf16.*use --quantize int8"):
+        quantize_decoder(layer, "int4", CPU, torch.float32)
+    with pytest.raises(ValueError, match="use one of none, int8, int4"):
+        quantize_decoder(layer, "fp8", CPU, torch.float32)
+
+
+def test_the_demo_model_in_int8_still_sees():
+    """The native engine with --quantize int8 on the CPU answers the demo task as fp32 does."""
+    pics = [shapes.render(np.random.default_rng([5150, i])) for i in range(24)]
+    prompts = list(shapes.PROMPTS)
+    jobs = [(shapes.encode(p.image, "PNG"), prompts[i % len(prompts)]) for i, p in enumerate(pics)]
+    parts = Parts(ROOT / "models" / "demo", max_batch=8, native=NativeEngineConfig(quantize="int8"))
+    try:
+        pairs = [parts.request(data, prompt, max_tokens=8) for data, prompt in jobs]
+        parts.run(*pairs)
+    finally:
+        parts.engine.stop()
+    assert type(parts.engine.runner.model.layers[0].mlp.down_proj.weight).__name__ == "Int8Tensor"
+    right = sum(box["text"] == pic.answer(prompt) for (_, box), pic, (_, prompt) in zip(pairs, pics, jobs, strict=True))
+    print(f"int8 demo model: {right} of {len(jobs)} right")
+    assert right >= 22, f"{right} of {len(jobs)} right in int8"
