@@ -11,7 +11,7 @@ import torch
 
 from services.common.qos import QosLevel
 from services.llm.request import Finish
-from tests.helpers import CASES, Parts, hf_inputs, image_bytes
+from tests.helpers import CASES, PROMPTS, Parts, hf_inputs, image_bytes
 
 pytestmark = pytest.mark.gpu
 TOKENS = 32
@@ -173,3 +173,45 @@ def test_cancel_and_preemption_give_every_page_back(bf16_parts):
     assert [box["finish"] for _, box in best_effort] == [Finish.ABORT] * 2 + [Finish.LENGTH] * 2
     assert all(len(box["ids"]) == 400 for _, box in best_effort[2:])
     assert_idle(parts)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_the_quantized_7b_cut_runs_through_graphs_and_the_demo_model_still_sees(cut_preset, quantize):
+    """--quantize on CUDA: the compiled, graph-captured step runs on torchao's weights, and the
+    trained demo model (int8; int4 needs 128-channel groups, which the demo's 192-wide layers
+    are not) answers its pictures."""
+    import numpy as np
+
+    from services.llm.config import NativeEngineConfig
+    from services.model import shapes
+    from tests.helpers import ROOT
+
+    parts = Parts(
+        cut_preset, max_batch=4, device="cuda", dtype="bfloat16", native=NativeEngineConfig(quantize=quantize)
+    )
+    try:
+        pairs = [parts.request(i, PROMPTS[i % len(PROMPTS)], max_tokens=12, min_tokens=12) for i in range(6)]
+        parts.run(*pairs)
+        assert all(len(box["ids"]) == 12 for _, box in pairs)
+        assert_idle(parts)
+    finally:
+        parts.engine.stop()
+    if quantize != "int8":
+        return
+    demo = Parts(
+        ROOT / "models" / "demo",
+        max_batch=8,
+        device="cuda",
+        dtype="bfloat16",
+        native=NativeEngineConfig(quantize="int8"),
+    )
+    try:
+        pics = [shapes.render(np.random.default_rng([9, i])) for i in range(24)]
+        cases = [(shapes.encode(p.image, "PNG"), list(shapes.PROMPTS)[i % 3]) for i, p in enumerate(pics)]
+        pairs = [demo.request(data, prompt, max_tokens=8) for data, prompt in cases]
+        demo.run(*pairs)
+    finally:
+        demo.engine.stop()
+    right = sum(box["text"] == p.answer(prompt) for (_, box), p, (_, prompt) in zip(pairs, pics, cases, strict=True))
+    print(f"demo model, int8 on CUDA: {right} of 24 right")
+    assert right >= 22
