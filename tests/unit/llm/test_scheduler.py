@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from services.common.qos import QosLevel, effective_class
 from services.llm.block_manager import BlockManager
 from services.llm.request import Request
@@ -275,3 +280,64 @@ def test_switched_off_nothing_is_shared():
     sched.add(first)
     (chunk,) = sched.schedule().prefill
     assert chunk.start == 0 and first.page_keys is None
+
+
+# --- the pool's accounting under random traffic (hypothesis) ---
+
+PREFIXES = [[b"a0", b"a1", b"a2"], [b"a0", b"a1", b"b2"], [b"c0", b"c1"], [b"d0"]]
+
+
+def check_pool(sched: Scheduler) -> None:
+    """Every page's holders are the running requests that list it; free and held pages add up."""
+    bm = sched.blocks
+    holders: Counter[int] = Counter(p for r in sched.running for p in r.blocks)
+    for r in sched.running:
+        assert len(set(r.blocks)) == len(r.blocks), "a page twice in one block table"
+    assert all(bm._refs[p] == n for p, n in holders.items())
+    assert all(bm._refs[p] == 0 for p in bm._free) and not set(bm._free) & set(holders)
+    assert all(bm._refs[p] == 0 for p in bm._cached)
+    assert bm.free + len(holders) == bm.capacity
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "step", "finish"]),
+            st.integers(0, len(PREFIXES) - 1),
+            st.sampled_from(list(QosLevel)),
+            st.integers(0, 6),
+        ),
+        max_size=60,
+    )
+)
+def test_pages_are_never_shared_while_written_and_all_come_back(ops):
+    clock = [0.0]
+    sched = scheduler(max_batch=3, pages=14, page_size=4, budget=6, clock=lambda: clock[0])
+    n = 0
+    for op, prefix, qos, extra in ops:
+        clock[0] += 0.5
+        if op == "add":
+            keys = PREFIXES[prefix][: 1 + extra % len(PREFIXES[prefix])]
+            n += 1
+            sched.add(keyed(f"r{n}", list(keys), prompt=4 * len(keys) + extra % 3, qos=qos, t=clock[0]))
+        elif op == "finish" and sched.running:
+            sched.finish(sched.running[extra % len(sched.running)])
+        else:
+            plan = sched.schedule()
+            for c in plan.prefill:  # what the chunk writes must be its own pages, held by nobody else
+                first, last = c.start // 4, (c.end - 1) // 4
+                assert all(sched.blocks._refs[c.req.blocks[i]] == 1 for i in range(first, last + 1))
+            for r in plan.decode:
+                assert sched.blocks._refs[r.blocks[r.computed // 4]] == 1
+            run_plan(plan)
+            for c in plan.prefill:
+                sched.computed(c.req)
+            for r in list(sched.running):  # a request ends once it has its tokens
+                if len(r.output_ids) >= r.max_new:
+                    sched.finish(r)
+        check_pool(sched)
+    for r in list(sched.running):
+        sched.finish(r)
+    check_pool(sched)
+    assert sched.blocks.free == sched.blocks.capacity
