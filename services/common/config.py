@@ -21,6 +21,7 @@ SWITCH_INTERVAL_MS = 0.5
 # How a CUDA hand-off's reader knows the slot is written (services/common/cuda_arena.py).
 READY_SIGNALS = ("sync", "event")
 QUANTIZATIONS = ("none", "int8", "int4")  # --quantize (services/model/quantize.py)
+VARIANT_METADATA_KEY = "x-model-variant"  # response: who served; request: who must serve
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # The mesh's well-known defaults, each written once. Each service's config names its own

@@ -67,6 +67,10 @@ class PermissionDenied(MeshError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class NotFound(MeshError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
 class Unavailable(MeshError):
     code = grpc.StatusCode.UNAVAILABLE
 

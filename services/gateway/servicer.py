@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.common import metrics, rpc, telemetry
-from services.common.errors import InvalidArgument, MeshError, Unavailable, from_rpc_error
+from services.common.config import VARIANT_METADATA_KEY
+from services.common.errors import InvalidArgument, MeshError, NotFound, Unavailable, from_rpc_error
 from services.common.logs import request_context
 from services.common.qos import QosLevel, qos_from_metadata, qos_metadata
 from services.common.sampling import Sampling
@@ -112,6 +113,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     raise InvalidArgument(
                         f"model {request.model!r} is not served here; this mesh serves {info.model_id!r}"
                     )
+                pinned = _metadata_value(metadata_in, VARIANT_METADATA_KEY)
+                if pinned and pinned != info.variant:
+                    raise NotFound(
+                        f"{VARIANT_METADATA_KEY} {pinned!r} is not served here; this worker serves {info.variant!r} "
+                        "(the mesh's router sends a pinned request to its variant)"
+                    )
                 sampling = check_sampling(request.sampling, info.max_context)
                 # The fewest tokens the request will surely generate: admission refuses only work that
                 # cannot finish in time, not work that might stop early at EOS.
@@ -128,10 +135,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 telemetry.annotate({"admission.decision": "refused", "admission.reason": reason}, span)
                 raise
             telemetry.annotate({"admission.decision": "admitted"}, span)
+        await context.send_initial_metadata(((VARIANT_METADATA_KEY, info.variant),))  # who serves it
         telemetry.annotate(
             {
                 "model.id": info.model_id,
-                "model.variant": "default",
+                "model.variant": info.variant,
                 "gen_ai.request.model": info.model_id,
                 "gen_ai.request.max_tokens": sampling.max_tokens,
                 "gen_ai.request.temperature": sampling.temperature,
@@ -265,3 +273,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     result.timings.CopyFrom(msg.timings)
         result.text = "".join(texts)
         return result
+
+
+def _metadata_value(metadata, key: str) -> str | None:
+    """The first value of `key` in the invocation metadata (as for qos-level), or None."""
+    for k, v in metadata or ():
+        if k == key:
+            return v.decode() if isinstance(v, bytes) else v
+    return None

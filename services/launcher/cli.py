@@ -45,6 +45,7 @@ VISION_FLAGS = (
 )
 LLM_FLAGS = (
     "llm_engine",
+    "variant",
     "max_llm_batch",
     "default_max_tokens",
     "vllm_kv_cache_gib",

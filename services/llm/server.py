@@ -29,7 +29,9 @@ async def serve(cfg: llm_config.LlmConfig) -> None:
         cfg.engine, prompts, device, dtype, cfg.max_batch, cfg.default_max_tokens, cfg.vllm_kv_cache_gib, cfg.native
     )
     memory = MemoryGuard.for_device("llm", device, cfg.model.memory_watermarks)
-    servicer = LlmServicer(engine, spec, cfg.default_max_tokens, cfg.vision_target, cfg.vision_port_file, memory)
+    servicer = LlmServicer(
+        engine, spec, cfg.default_max_tokens, cfg.vision_target, cfg.vision_port_file, memory, cfg.variant
+    )
     try:
         running = await start_server(
             cfg.server,

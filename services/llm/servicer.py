@@ -47,8 +47,10 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
         vision_target: str | None,
         vision_port_file: str | None = None,
         memory: MemoryGuard | None = None,
+        variant: str = "full",
     ):
         self.engine = engine
+        self.variant = variant  # what Info reports, and the gateway names in each answer
         # GPU memory watermarks: best-effort work is refused over the top one (inert on the CPU).
         self.memory = memory or MemoryGuard("llm", None, Watermarks())
         self.spec = spec
@@ -66,7 +68,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
                 "request.id": request.request_id,
                 "qos.level": qos.wire,
                 "model.id": self.spec.model_id,
-                "model.variant": "default",
+                "model.variant": self.variant,
             }
         )
         self.memory.admit(qos)
@@ -151,6 +153,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             max_context=self.spec.text.max_context,
             image_tokens=self.spec.image_tokens,
             default_max_tokens=self.default_max_tokens,
+            variant=self.variant,
         )
 
     def close(self) -> None:

@@ -78,6 +78,7 @@ CUSTOM = {
         vision_target="127.0.0.1:9",
         vision_port_file="/tmp/vision.ports.json",
         vllm_kv_cache_gib=2.5,
+        variant_name="int8-canary",
         native=llm_config.NativeEngineConfig(
             max_prefill_tokens=512,
             kv_page_size=32,
