@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ("up", "demo", "generate", "bench", "serve", "make-tiny-model")
+COMMANDS = ("up", "route", "demo", "generate", "bench", "serve", "make-tiny-model")
 SERVICES = {
     "gateway": "the public API (vlmesh.v1.Gateway): checks each request, calls vision, streams the llm's answer",
     "vision": "the vision encoder: decodes images, runs the ViT and projector, leases the features to the llm",
@@ -21,6 +21,7 @@ USAGE = """usage: vlmesh COMMAND [options]
 
 commands:
   up          start gateway, vision and llm, warm up, and serve until Ctrl-C
+  route       change the weights between the variants of `vlmesh up --variants` while it runs
   demo        start the mesh on the demo model, answer one picture, and stop
   generate    send one image and prompt to a gateway and stream the answer
   bench       open-loop load with the write-ups' workloads, against the mesh and baselines
@@ -103,6 +104,10 @@ def dispatch(cmd: str, rest: list[str]) -> int:
         if not {"-h", "--help"} & set(rest):
             _check_model(rest, "llm")  # a broken checkpoint: one line now, not two dead children later
         return up(rest)
+    if cmd == "route":
+        from services.launcher.variants import route_main
+
+        return route_main(rest)
     if cmd == "demo":
         from services.demo import main as demo
 

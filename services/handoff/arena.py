@@ -108,12 +108,13 @@ class ArenaTable:
         self._clear(lease.slot)
         return lease
 
-    def share(self, key: bytes) -> Lease | None:
-        """One more reader of the slot kept under `key`, its expiry extended in the header; None on a miss."""
-        lease = self.leases.find(key)
-        if lease is not None:
-            self.publish(lease)
-        return lease
+    def share(self, key: bytes) -> tuple[Lease, int] | None:
+        """One more reader of the slot kept under `key` (the lease, the new reader id), its expiry
+        extended in the header; None on a miss."""
+        found = self.leases.find(key)
+        if found is not None:
+            self.publish(found[0])
+        return found
 
     def publish(self, lease: Lease) -> None:
         """Make a written slot readable: its lease id goes in only after the data."""
@@ -124,9 +125,9 @@ class ArenaTable:
     def _clear(self, slot: int) -> None:
         _ID.pack_into(self.shm.buf, _entry_offset(slot), 0)
 
-    def release(self, lease_id: int) -> bool:
+    def release(self, reader: int) -> bool:
         """Drop one reference to a lease; False when none was held (released, expired, forged, or another arena's)."""
-        held, unread = self.leases.release(lease_id)
+        held, unread = self.leases.release(reader)
         if unread is not None:
             self._clear(unread)  # free, or kept idle: a released reference must fail either way
         return held
@@ -190,7 +191,7 @@ class ArenaView:
     def _beat(self) -> float:
         return struct.unpack_from("<d", self.shm.buf, _HEARTBEAT_OFFSET)[0]
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         beat = self._beat()
         if self._producer_now() - beat <= HEARTBEAT_STALE_S:
             return
@@ -225,7 +226,7 @@ class ArenaView:
 
     def check(self, slot: int, lease_id: int, margin_s: float = EXPIRY_MARGIN_S) -> None:
         """The lease is live and the producer too; else FAILED_PRECONDITION or UNAVAILABLE."""
-        self._check_alive()
+        self.check_alive()
         held_by, expires = _ENTRY.unpack_from(self.shm.buf, _entry_offset(slot))
         if lease_id == 0 or held_by != lease_id:
             raise FailedPrecondition("tensor reference is stale: its lease was released, expired or never issued")

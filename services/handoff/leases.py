@@ -1,9 +1,11 @@
 """Slot leases of a feature arena: who holds which slot, until when, and which slots are kept.
 
-A slot is handed out with a lease (an unguessable id, a reference count and an
-expiry). It returns to the free list when the last reference is released or when
-the TTL passes, never earlier, so a reader holding a valid lease never sees the
-slot reused under it. Transport-neutral: the host (SHM) and the CUDA arenas both use it.
+A slot is handed out with a lease (an unguessable id, its readers and an expiry). Each
+reader holds it through its own unguessable reader id (the first reader's is the lease
+id itself), and releases by that id, once: a second release of the same reader id does
+nothing. The slot returns to the free list when the last reader is gone or when the TTL
+passes, never earlier, so a reader holding a valid lease never sees the slot reused
+under it. Transport-neutral: the host (SHM) and the CUDA arenas both use it.
 
 A lease can also be *kept* under a content key (the feature cache): when its last
 reader releases it, the slot keeps its data and its lease, idle (its arena clears the
@@ -30,11 +32,15 @@ class Lease:
 
     id: int
     slot: int
-    refs: int
+    readers: set[int]  # reader ids holding it now
     expires_at: float  # time.monotonic()
     expires_unix_ms: int
     key: bytes | None = None  # kept under this content key (see `LeaseTable.keep`)
     meta: object = None  # what the arena's owner keeps beside a kept lease (its reference)
+
+    @property
+    def refs(self) -> int:
+        return len(self.readers)
 
 
 class LeaseTable:
@@ -46,6 +52,7 @@ class LeaseTable:
         self.keep_limit = keep_limit
         self._free = list(range(n_slots - 1, -1, -1))
         self._by_id: dict[int, Lease] = {}
+        self._reader: dict[int, Lease] = {}  # reader id -> the lease it holds
         self._keys: dict[bytes, Lease] = {}
         self._idle: OrderedDict[int, Lease] = OrderedDict()  # kept, unread; least recently used first
         self._lock = threading.Lock()
@@ -55,7 +62,7 @@ class LeaseTable:
         lease.expires_at = time.monotonic() + self.ttl_s
         lease.expires_unix_ms = int((time.time() + self.ttl_s) * 1000)
 
-    def acquire(self, refs: int = 1) -> Lease:
+    def acquire(self) -> Lease:
         """A free slot under a fresh lease; RESOURCE_EXHAUSTED (with retry info) when none is free.
 
         With no slot free, the least recently used idle kept slot is evicted for it.
@@ -70,9 +77,10 @@ class LeaseTable:
                     retry_after_s=min(self.ttl_s, 1.0),
                 )
             slot = self._free.pop()
-            lease = Lease(secrets.randbits(63) | 1, slot, refs, 0.0, 0)  # id never 0, which marks a free slot
+            lease_id = secrets.randbits(63) | 1  # never 0, which marks a free slot
+            lease = Lease(lease_id, slot, {lease_id}, 0.0, 0)  # its first reader's id is its own
             self._extend(lease)
-            self._by_id[lease.id] = lease
+            self._by_id[lease.id] = self._reader[lease.id] = lease
             return lease
 
     def keep(self, lease_id: int, key: bytes, meta: object = None) -> bool:
@@ -94,28 +102,30 @@ class LeaseTable:
             self._keys[key] = lease
             return True
 
-    def find(self, key: bytes) -> Lease | None:
-        """The lease kept under `key`, with one more reader and a fresh expiry; None on a miss."""
+    def find(self, key: bytes) -> tuple[Lease, int] | None:
+        """The lease kept under `key` and a new reader id on it, with a fresh expiry; None on a miss."""
         with self._lock:
             lease = self._keys.get(key)
             if lease is None:
                 return None
             self._idle.pop(lease.id, None)
-            lease.refs += 1
+            reader = secrets.randbits(63) | 1
+            lease.readers.add(reader)
+            self._reader[reader] = lease
             self._extend(lease)
-            return lease
+            return lease, reader
 
-    def release(self, lease_id: int) -> tuple[bool, int | None]:
-        """Drop one reference: (whether one was held, the slot when nobody reads it any more).
+    def release(self, reader: int) -> tuple[bool, int | None]:
+        """End one reader's hold: (whether it held one, the slot when nobody reads it any more).
 
         That slot is free again, or (kept) idle: either way no reference to it may validate now.
         """
         with self._lock:
-            lease = self._by_id.get(lease_id)
-            if lease is None or lease.refs <= 0:
+            lease = self._reader.pop(reader, None)
+            if lease is None:
                 return False, None
-            lease.refs -= 1
-            if lease.refs > 0:
+            lease.readers.discard(reader)
+            if lease.readers:
                 return True, None
             if lease.key is not None:
                 self._idle[lease.id] = lease  # kept: most recently used last
@@ -128,16 +138,20 @@ class LeaseTable:
         unread = []
         with self._lock:
             for lease in [lease for lease in self._by_id.values() if lease.expires_at <= now and lease.refs > 0]:
+                for reader in lease.readers:
+                    del self._reader[reader]
+                lease.readers.clear()
                 if lease.key is None:
                     unread.append(self._drop(lease))
                 else:
-                    lease.refs = 0
                     self._idle[lease.id] = lease
                     unread.append(lease.slot)
         return unread
 
     def _drop(self, lease: Lease) -> int:
         del self._by_id[lease.id]
+        for reader in lease.readers:
+            self._reader.pop(reader, None)
         if lease.key is not None:
             del self._keys[lease.key]
             self._idle.pop(lease.id, None)

@@ -133,23 +133,25 @@ class Producer:
         """
         for home in self._arenas:
             assert home.arena is not None
-            lease = home.arena.share(key)
-            if lease is None:
+            found = home.arena.share(key)
+            if found is None:
                 continue
+            lease, reader = found
             ref = _copy(lease.meta)
-            ref.lease.expires_unix_ms = lease.expires_unix_ms
+            ref.lease.expires_unix_ms, ref.lease.reader = lease.expires_unix_ms, reader
             if home is transport:
                 return ref
             try:
                 (out,) = transport.export([home.slot_tensor(ref, layout(ref))])
             finally:
-                home.release(ref.lease.id)
+                home.release(reader)
             out.content_key = key
             return out
         return None
 
     def release(self, lease_ids: Iterable[int]) -> int:
-        """End leases early (the consumer has read them); return how many were held."""
+        """End readers' holds early (the consumer has read them), by reader id (a reference's
+        `lease.reader`, or its `lease.id` when that is 0); return how many were held."""
         return sum(any(t.release(lease_id) for t in self._arenas) for lease_id in lease_ids)
 
     def reap(self) -> int:

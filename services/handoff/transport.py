@@ -48,7 +48,7 @@ class Transport(Protocol):
         ...
 
     def release(self, lease_id: int) -> bool:
-        """Producer side: end one lease early; False when this transport does not hold it."""
+        """Producer side: end one reader's hold early (by reader id); False when this transport has none."""
         ...
 
     def reap(self) -> int:

@@ -99,8 +99,9 @@ def inline_ref(tensor: torch.Tensor, producer_host: str) -> pb.TensorRef:
 
 
 def lease_ids(refs: Iterable[pb.TensorRef]) -> list[int]:
-    """The lease ids a set of references holds in the producer's arenas (inline bytes hold none)."""
-    return [r.lease.id for r in refs if r.transport != pb.TRANSPORT_INLINE and r.lease.id]
+    """What Release takes for a set of references: each one's reader id on its lease (the lease id
+    when it has none); inline bytes hold no lease."""
+    return [r.lease.reader or r.lease.id for r in refs if r.transport != pb.TRANSPORT_INLINE and r.lease.id]
 
 
 def choose_transport(producer_host: str, producer_gpu: str, offered: tuple[int, ...], consumer: pb.ConsumerInfo) -> int:

@@ -23,7 +23,9 @@ from services.gateway import config as gateway_config
 from services.gateway.config import GatewayConfig
 from services.launcher.ports import MeshError, PortBusy, check_ports
 from services.launcher.process import Stopped, signals_ignored, stop_on_signals
+from services.launcher.routing import parse_variants
 from services.launcher.supervisor import Mesh, MeshOptions, warmup_images
+from services.launcher.variants import VariantMesh, envoy_binary
 from services.llm import config as llm_config
 from services.llm.config import LlmConfig
 from services.vision import config as vision_config
@@ -162,13 +164,18 @@ def options_from_flags(argv: Sequence[str] = (), **flags: Any) -> MeshOptions:
 
 def up(argv: list[str] | None = None) -> int:
     with stop_on_signals():  # first: a SIGTERM at any later point stops what has started
-        mesh: Mesh | None = None
+        mesh: Mesh | VariantMesh | None = None
         ready = False
         try:
             options = _checked_options(sys.argv[1:] if argv is None else argv)
-            mesh = Mesh(options)
-            mesh.start(_say)
-            print(f"gateway ready on {mesh.target('gateway')}", flush=True)
+            if options.variants:
+                mesh = VariantMesh(options, parse_variants(options.variants), options.envoy_admin_port)
+                mesh.start(_say)
+                print(f"gateway ready on {mesh.target()} (envoy, variants {options.variants})", flush=True)
+            else:
+                mesh = Mesh(options)
+                mesh.start(_say)
+                print(f"gateway ready on {mesh.target('gateway')}", flush=True)
             ready = True
             mesh.wait()
             _say("stopping")
@@ -203,12 +210,20 @@ def _checked_options(argv: Sequence[str]) -> MeshOptions:
         options = options_from_args(args)  # a bad flag value fails here, not in a child
     except ValueError as err:
         p.error(str(err))
+    if options.variants:
+        try:
+            parse_variants(options.variants)
+            envoy_binary()
+        except (ValueError, MeshError) as err:
+            p.error(f"--variants: {err}")
     try:
         warmup_images(args.warmup_images)  # fail before starting anything
     except MeshError as err:
         p.error(str(err))
     # A second mesh on the same ports fails here, before a preset's weights are made or loaded.
-    check_ports({name: cfg.server for name, cfg in options.configs().items()})
+    # (With --variants only Envoy's port is fixed: each variant's worker takes free ports.)
+    servers = {name: cfg.server for name, cfg in options.configs().items()}
+    check_ports({"gateway": servers["gateway"]} if options.variants else servers)
     args.model = resolve_model(args.model)  # preset:NAME -> its directory, made once before the children start
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model}: not a checkpoint directory (no config.json)")

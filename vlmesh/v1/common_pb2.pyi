@@ -110,12 +110,14 @@ class StageTimings(_message.Message):
     def __init__(self, admission_ms: _Optional[float] = ..., vision_queue_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., vision_ms: _Optional[float] = ..., handoff_ms: _Optional[float] = ..., llm_queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("id", "expires_unix_ms")
+    __slots__ = ("id", "expires_unix_ms", "reader")
     ID_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    READER_FIELD_NUMBER: _ClassVar[int]
     id: int
     expires_unix_ms: int
-    def __init__(self, id: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
+    reader: int
+    def __init__(self, id: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ..., reader: _Optional[int] = ...) -> None: ...
 
 class TensorRef(_message.Message):
     __slots__ = ("transport", "arena_id", "producer_host_id", "gpu_uuid", "offset", "nbytes", "shape", "dtype", "lease", "ready", "ready_event", "inline_data", "cuda_ipc", "content_key")

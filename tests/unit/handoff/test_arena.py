@@ -199,10 +199,15 @@ def test_another_process_reads_and_does_not_unlink(arena):
     assert torch.equal(read(arena.name, offset, 256, lease.id), t)
 
 
-def test_lease_refcount():
-    table = LeaseTable(1, ttl_s=10)
-    lease = table.acquire(refs=2)
+def test_each_reader_releases_once():
+    table = LeaseTable(1, ttl_s=10, keep_limit=1)
+    lease = table.acquire()
+    table.keep(lease.id, b"k")
+    _, second = table.find(b"k")
+    assert second != lease.id and lease.refs == 2
     assert table.release(lease.id) == (True, None)
-    assert table.release(lease.id) == (True, lease.slot)
-    assert table.release(lease.id) == (False, None)
+    assert table.release(lease.id) == (False, None)  # the same reader again: nothing, the other still holds
+    assert lease.refs == 1
+    assert table.release(second) == (True, lease.slot)
+    assert table.release(second) == (False, None)
     assert table.leased == 0

