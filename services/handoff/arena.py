@@ -192,6 +192,7 @@ class ArenaView:
         return struct.unpack_from("<d", self.shm.buf, _HEARTBEAT_OFFSET)[0]
 
     def check_alive(self) -> None:
+        """UNAVAILABLE unless the producer's heartbeat is fresh, or moves while it is watched."""
         beat = self._beat()
         if self._producer_now() - beat <= HEARTBEAT_STALE_S:
             return
