@@ -25,7 +25,18 @@ FAILURES: list[str] = []  # the details of every status that was not OK, for the
 
 @pytest.fixture(scope="module")
 def variants():
-    opts = mesh_options(DEMO, max_llm_batch=8, warmup_requests=1, variants="full=70,int8=30", envoy_admin_port=0)
+    # The feature cache is off here: with it on, a worker taking ~200 req/s of one cached picture
+    # answers FAILED_PRECONDITION (a "stale" or "about to expire" cached slot) for about one request
+    # in a thousand: an open bug of the cache (docs/DESIGN.md, "The vision feature cache"), not of
+    # the routing this module tests. Four runs with it off showed none.
+    opts = mesh_options(
+        DEMO,
+        max_llm_batch=8,
+        warmup_requests=1,
+        variants="full=70,int8=30",
+        envoy_admin_port=0,
+        feature_cache_mib=0,
+    )
     with VariantMesh(opts, parse_variants(opts.variants), opts.envoy_admin_port) as mesh:
         mesh.start(progress=lambda m: None)
         yield mesh
@@ -107,11 +118,6 @@ def test_a_killed_gateway_is_ejected_and_the_other_variant_serves(variants, stub
     )
     assert set(before) == {"full", "int8"}
     # A request on the killed gateway ends with a status (UNAVAILABLE before its headers, INTERNAL
-    # after: Envoy resets the stream); none is lost. KNOWN ISSUE, open: in about one run in three,
-    # one request of the ~700 that the int8 worker takes in the first seconds after the failover
-    # (its load triples on 2 cores) gets FAILED_PRECONDITION from its llm ("stale" or "about to
-    # expire") for a cached feature slot; four runs with the feature cache off showed none. A clear
-    # status, never another image's data, but not yet explained.
-    assert set(in_flight) | set(settling) <= {"full", "int8", "UNAVAILABLE", "INTERNAL", "FAILED_PRECONDITION"}
-    assert settling["FAILED_PRECONDITION"] <= 2
+    # after: Envoy resets the stream); none is lost, and no other status appears.
+    assert set(in_flight) | set(settling) <= {"full", "int8", "UNAVAILABLE", "INTERNAL"}
     assert after and set(after) == {"int8"}, after
