@@ -46,12 +46,18 @@ def parse_qos(value: str | None) -> QosLevel:
     return level
 
 
+def metadata_value(metadata: Sequence[tuple[str, str | bytes]] | None, key: str) -> str | None:
+    """The first value of `key` in invocation metadata, or None."""
+    for k, value in metadata or ():
+        if k == key:
+            return value.decode() if isinstance(value, bytes) else value
+    return None
+
+
 def qos_from_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> QosLevel:
     """Read `qos-level` from invocation metadata (the first value wins)."""
-    for key, value in metadata or ():
-        if key == QOS_METADATA_KEY:
-            return parse_qos(value.decode() if isinstance(value, bytes) else value)
-    return QosLevel.STANDARD
+    value = metadata_value(metadata, QOS_METADATA_KEY)
+    return QosLevel.STANDARD if value is None else parse_qos(value)
 
 
 def qos_metadata(level: QosLevel) -> tuple[tuple[str, str], ...]:

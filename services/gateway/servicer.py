@@ -19,7 +19,7 @@ from services.common import metrics, rpc, telemetry
 from services.common.config import VARIANT_METADATA_KEY
 from services.common.errors import InvalidArgument, MeshError, NotFound, Unavailable, from_rpc_error
 from services.common.logs import request_context
-from services.common.qos import QosLevel, qos_from_metadata, qos_metadata
+from services.common.qos import QosLevel, metadata_value, qos_from_metadata, qos_metadata
 from services.common.sampling import Sampling
 from services.common.server import GRPC_OPTIONS
 from services.common.timings import Timings
@@ -113,7 +113,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     raise InvalidArgument(
                         f"model {request.model!r} is not served here; this mesh serves {info.model_id!r}"
                     )
-                pinned = _metadata_value(metadata_in, VARIANT_METADATA_KEY)
+                pinned = metadata_value(metadata_in, VARIANT_METADATA_KEY)
                 if pinned and pinned != info.variant:
                     raise NotFound(
                         f"{VARIANT_METADATA_KEY} {pinned!r} is not served here; this worker serves {info.variant!r} "
@@ -273,11 +273,3 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     result.timings.CopyFrom(msg.timings)
         result.text = "".join(texts)
         return result
-
-
-def _metadata_value(metadata, key: str) -> str | None:
-    """The first value of `key` in the invocation metadata (as for qos-level), or None."""
-    for k, v in metadata or ():
-        if k == key:
-            return v.decode() if isinstance(v, bytes) else v
-    return None

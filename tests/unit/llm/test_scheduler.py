@@ -222,12 +222,18 @@ def keyed(rid, keys, prompt=12, qos=QosLevel.STANDARD, t=0.0):
     return FakeRequest(rid, qos, t, prompt=prompt, max_new=4, keys=keys)
 
 
-def test_a_request_starts_after_the_pages_an_earlier_one_computed():
-    sched = scheduler(max_batch=2, pages=16, page_size=4)
-    first = keyed("a", [b"0", b"1", b"2"])
+def computed_first(sched: Scheduler, keys: list[bytes]):
+    """A first request of `keys`, prefilled and its pages registered."""
+    first = keyed("a", keys)
     sched.add(first)
     run_plan(sched.schedule())
     sched.computed(first)
+    return first
+
+
+def test_a_request_starts_after_the_pages_an_earlier_one_computed():
+    sched = scheduler(max_batch=2, pages=16, page_size=4)
+    first = computed_first(sched, [b"0", b"1", b"2"])
     assert first.registered == 3 and first.cached_tokens == 0
     second = keyed("b", [b"0", b"1", b"X"])
     sched.add(second)
@@ -240,10 +246,7 @@ def test_a_request_starts_after_the_pages_an_earlier_one_computed():
 
 def test_one_prompt_position_is_always_left_to_compute():
     sched = scheduler(max_batch=2, pages=16, page_size=4)
-    first = keyed("a", [b"0", b"1", b"2"])
-    sched.add(first)
-    run_plan(sched.schedule())
-    sched.computed(first)
+    computed_first(sched, [b"0", b"1", b"2"])
     again = keyed("b", [b"0", b"1", b"2"])  # the same 12-position prompt: 3 full pages
     sched.add(again)
     (chunk,) = sched.schedule().prefill

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from services.common import metrics
-from services.handoff.consumer import Consumer
 from services.handoff.producer import Producer
 from services.handoff.wire import lease_ids
 from services.vision.config import kept_slots
@@ -23,25 +22,10 @@ PICTURES = [image_bytes(30 + i, (40, 48), "PNG") for i in range(KEEP + 2)]
 
 
 @pytest.fixture
-def encoder(tiny_model):
-    from services.model.spec import load_spec
-    from services.vision.encoder import VisionEncoder
-
-    return VisionEncoder(load_spec(tiny_model), "cpu", "float32")
-
-
-@pytest.fixture
 def producer(encoder):
     p = Producer(encoder.feature_bytes, SLOTS, ttl_s=30, device=torch.device("cpu"), ready="sync", keep=KEEP)
     yield p
     p.close()
-
-
-@pytest.fixture
-def consumer():
-    c = Consumer()
-    yield c
-    c.close()
 
 
 def lookups(result: str) -> float:

@@ -10,10 +10,7 @@ import pytest
 import torch
 
 from services.common.errors import FailedPrecondition
-from services.handoff.consumer import Consumer
 from services.handoff.producer import Producer
-from services.model.spec import load_spec
-from services.vision.encoder import VisionEncoder
 from tests.helpers import consumer_info, encode_request, image_bytes, vision_reference, vision_service
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import vision_pb2
@@ -23,23 +20,11 @@ SLOTS = 4
 PICTURES = [image_bytes(11, (48, 40), "PNG"), image_bytes(12, (64, 96), "JPEG")]
 
 
-@pytest.fixture(scope="module")
-def encoder(tiny_model):
-    return VisionEncoder(load_spec(tiny_model), "cpu", "float32")
-
-
 @pytest.fixture
 def producer(encoder):
     p = Producer(slot_bytes=encoder.feature_bytes, n_slots=SLOTS, ttl_s=30, device=torch.device("cpu"), ready="sync")
     yield p
     p.close()
-
-
-@pytest.fixture
-def consumer():
-    c = Consumer()
-    yield c
-    c.close()
 
 
 def test_encode_exports_each_picture_s_features_into_leased_slots(encoder, producer, consumer):
