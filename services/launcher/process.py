@@ -1,7 +1,8 @@
 """The launcher's children and signals.
 
-Children die with the launcher: each gets PR_SET_PDEATHSIG(SIGTERM) on Linux, so even a
-SIGKILLed launcher leaves none behind. SIGINT and SIGTERM reach the launcher at any stage
+Children die with the launcher: each starts through services/common/lifeline.py, which sets
+PR_SET_PDEATHSIG(SIGTERM) on Linux before it execs the child, so even a SIGKILLed launcher
+leaves none behind. SIGINT and SIGTERM reach the launcher at any stage
 (loading weights, warming up, serving) as the exception `Stopped`, so its `finally` stops the
 children it started and frees their ports.
 """
@@ -9,16 +10,14 @@ children it started and frees their ports.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+from services.common import lifeline
+from services.common.lifeline import STOP_SIGNALS
 
 
 class Stopped(BaseException):
@@ -27,28 +26,6 @@ class Stopped(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
-
-
-def _libc_prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _libc_prctl()
-
-
-def _in_child(launcher_pid: int) -> None:
-    """Between fork and exec: get SIGTERM when the launcher dies, and take the stop signals again
-    (they are blocked in the launcher while it forks, and a signal mask survives exec)."""
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-        if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 @contextlib.contextmanager
@@ -67,11 +44,11 @@ def spawn(cmd: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen:
 
     Own session: a Ctrl-C at the terminal reaches only the launcher, which stops the children
     in order. PR_SET_PDEATHSIG fires when the launcher's thread that started the child ends, so
-    start children from the thread that lives as long as the mesh (the main one).
+    start children from the thread that lives as long as the mesh (the main one). No
+    preexec_fn (lifeline.py says why): Python then starts the child with vfork and exec.
     """
-    return subprocess.Popen(
-        list(cmd), env=dict(env), start_new_session=True, preexec_fn=functools.partial(_in_child, os.getpid())
-    )
+    tied = [sys.executable, "-I", lifeline.__file__, str(os.getpid()), *cmd]
+    return subprocess.Popen(tied, env=dict(env), start_new_session=True)
 
 
 @contextlib.contextmanager

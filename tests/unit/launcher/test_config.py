@@ -4,6 +4,7 @@ and each default declared once."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import tempfile
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common import lifeline
 from services.common.config import LLM_MAX_BATCH, MESH_METRICS_PORTS, MESH_PORTS, ModelConfig, ServerConfig
 from services.common.flags import flag_defaults, flag_specs, to_argv
 from services.common.memory import Watermarks
@@ -208,9 +210,11 @@ def test_children_are_started_with_their_configs_argv(monkeypatch):
     spawned = {}
 
     class FakeProc:
-        def __init__(self, cmd, env, start_new_session, preexec_fn):
-            assert start_new_session and preexec_fn is not None  # own session; dies with the launcher
-            spawned[cmd[2].removeprefix("services.")] = cmd[3:]
+        def __init__(self, cmd, env, start_new_session):  # no preexec_fn: lifeline.py says why
+            assert start_new_session  # own session
+            # Through the lifeline, which ties the child to this launcher, then execs it.
+            assert cmd[:4] == [sys.executable, "-I", lifeline.__file__, str(os.getpid())]
+            spawned[cmd[6].removeprefix("services.")] = cmd[7:]
 
         def poll(self):
             return 0
