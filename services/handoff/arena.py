@@ -79,6 +79,10 @@ class ArenaTable:
         self.shm = shared_memory.SharedMemory(create=True, size=size)
         self.name = self.shm.name
         self.leases = LeaseTable(n_slots, ttl_s, keep_limit)
+        # Held across a lease change and its header write (share, release, reap): a share that
+        # published an idle kept slot again must not be wiped by the clear of the release that
+        # made it idle, which would fail its reader as stale.
+        self._header_lock = threading.Lock()
         _HEADER.pack_into(
             self.shm.buf, 0, MAGIC, VERSION, location, self.slot_bytes, n_slots, self.data_offset, time.monotonic()
         )
@@ -111,9 +115,10 @@ class ArenaTable:
     def share(self, key: bytes) -> tuple[Lease, int] | None:
         """One more reader of the slot kept under `key` (the lease, the new reader id), its expiry
         extended in the header; None on a miss."""
-        found = self.leases.find(key)
-        if found is not None:
-            self.publish(found[0])
+        with self._header_lock:
+            found = self.leases.find(key)
+            if found is not None:
+                self.publish(found[0])
         return found
 
     def publish(self, lease: Lease) -> None:
@@ -127,16 +132,18 @@ class ArenaTable:
 
     def release(self, reader: int) -> bool:
         """Drop one reference to a lease; False when none was held (released, expired, forged, or another arena's)."""
-        held, unread = self.leases.release(reader)
-        if unread is not None:
-            self._clear(unread)  # free, or kept idle: a released reference must fail either way
+        with self._header_lock:
+            held, unread = self.leases.release(reader)
+            if unread is not None:
+                self._clear(unread)  # free, or kept idle: a released reference must fail either way
         return held
 
     def reap(self) -> int:
         """Reclaim the slots whose lease expired unreleased (kept ones go idle); return how many."""
-        slots = self.leases.reap()
-        for slot in slots:
-            self._clear(slot)
+        with self._header_lock:
+            slots = self.leases.reap()
+            for slot in slots:
+                self._clear(slot)
         if slots:
             log.warning("arena %s: reclaimed %d slots whose lease expired unreleased", self.name, len(slots))
         return len(slots)

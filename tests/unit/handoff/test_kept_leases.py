@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -90,5 +91,40 @@ def test_an_evicted_slot_refuses_its_old_references_before_it_is_overwritten():
             assert fresh.slot == lease.slot
         finally:
             view.close()
+    finally:
+        arena.close()
+
+
+def test_a_share_racing_the_last_release_stays_readable(monkeypatch):
+    """The last reader's release makes a kept slot idle and clears its header entry; another
+    reader's share publishes the entry again. A share that lands between the two must not be
+    wiped by the clear: the header changes under the same lock as the table."""
+    arena = ShmArena(slot_bytes=256, n_slots=1, ttl_s=30, keep_limit=1)
+    try:
+        lease, offset = arena.write(torch.ones(64))
+        arena.leases.keep(lease.id, b"a")
+        clear = arena._clear
+        readers: list[int] = []
+        sharers: list[threading.Thread] = []
+
+        def share_in_the_window(slot: int) -> None:
+            # Another thread's share, started after the table let go of the slot and before
+            # its entry is cleared; given 0.2 s, it completes in the window unless it must wait.
+            t = threading.Thread(target=lambda: readers.append(arena.share(b"a")[1]))
+            t.start()
+            t.join(timeout=0.2)
+            clear(slot)
+            monkeypatch.setattr(arena, "_clear", clear)
+            sharers.append(t)
+
+        monkeypatch.setattr(arena, "_clear", share_in_the_window)
+        assert arena.release(lease.id) is True
+        sharers[0].join(timeout=5)
+        view = ArenaView(arena.name)
+        try:
+            assert read_host(view, offset, 256, lease.id, torch.float32, [64]).sum() == 64
+        finally:
+            view.close()
+        assert arena.release(readers[0]) is True
     finally:
         arena.close()
