@@ -18,7 +18,7 @@ from services.llm.config import VLLM_MISSING
 from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS
 from services.vision import config as vision_config
 
-TARGETS = ("mesh", "inprocess", "hf", "hf-static", "vllm")
+TARGETS = ("mesh", "mesh-http", "inprocess", "hf", "hf-static", "vllm")
 
 
 def names_of(allowed: tuple[str, ...] | list[str], check: Callable[[str], None] | None = None):
@@ -77,9 +77,16 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         "--target",
         type=names_of(TARGETS, _vllm_installed),
         default="mesh",
-        help=f"comma list of {', '.join(TARGETS)} (default %(default)s)",
+        help=f"comma list of {', '.join(TARGETS)}; mesh-http is the same mesh through its OpenAI-compatible "
+        "HTTP door (mesh,mesh-http: one mesh, measured through each door in turn) (default %(default)s)",
     )
     p.add_argument("--gateway", default=None, help="HOST:PORT of a running gateway instead of starting a mesh")
+    p.add_argument(
+        "--gateway-http",
+        default=None,
+        metavar="URL",
+        help="with --gateway: its HTTP door for mesh-http, e.g. http://127.0.0.1:8000/v1",
+    )
     p.add_argument(
         "--api-key",
         type=api_key,
@@ -164,6 +171,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     args = parser.parse_args(argv)
     if args.warmup >= args.duration:
         parser.error(f"argument --warmup: {args.warmup:g} must be less than --duration {args.duration:g}")
+    if "mesh-http" in args.target and args.gateway and not args.gateway_http:
+        parser.error("argument --target: mesh-http with --gateway needs --gateway-http URL (the gateway's HTTP door)")
     return args
 
 

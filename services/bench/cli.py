@@ -83,14 +83,14 @@ def server_cpu_s(pids: list[int]) -> float:
 
 
 async def run_target(name: str, args, workloads, rates, qos_mix, tokenizer, endpoints: dict, pids: list[int]):
-    from services.bench.targets import HfTarget, InprocessTarget, MeshTarget
+    from services.bench.targets import HfTarget, InprocessTarget, MeshTarget, OpenAiTarget
 
     if name == "mesh":
         target = MeshTarget(endpoints["mesh"], args.api_key)
+    elif name == "mesh-http":
+        target = OpenAiTarget(endpoints["mesh-http"], name, model="", api_key=args.api_key)
     elif name == "vllm":
-        from services.bench.peer import VllmTarget
-
-        target = VllmTarget(endpoints["vllm"])
+        target = OpenAiTarget(f"{endpoints['vllm']}/v1", name, model="peer")
     elif name == "inprocess":
         target = InprocessTarget(args.model, args.device, args.dtype, args.max_vision_batch, args.max_llm_batch)
     else:
@@ -135,10 +135,9 @@ async def same_answers(
     endpoints: dict, factory: RequestFactory, n: int, api_key: str | None = None
 ) -> list[tuple[str, str]]:
     """The first n requests, one at a time, to the mesh and to the peer: their answers."""
-    from services.bench.peer import VllmTarget
-    from services.bench.targets import MeshTarget
+    from services.bench.targets import MeshTarget, OpenAiTarget
 
-    mesh, peer = MeshTarget(endpoints["mesh"], api_key), VllmTarget(endpoints["vllm"])
+    mesh, peer = MeshTarget(endpoints["mesh"], api_key), OpenAiTarget(f"{endpoints['vllm']}/v1", "vllm", "peer")
     try:
         pairs = []
         for i in range(n):
@@ -151,13 +150,28 @@ async def same_answers(
         await peer.close()
 
 
-@contextlib.contextmanager
-def serve(name: str, args, say):
-    """Start what a target talks to (the mesh, or vLLM's server) for the length of the block.
+def groups(targets: list[str]) -> list[list[str]]:
+    """The targets in runs of one served system: mesh and mesh-http share one mesh."""
+    doors = [t for t in targets if t in ("mesh", "mesh-http")]
+    out, placed = [], False
+    for t in targets:
+        if t in doors:
+            if not placed:
+                out.append(doors)
+                placed = True
+        else:
+            out.append([t])
+    return out
 
-    Yields (endpoint, server pids); nothing for targets that run in this process.
+
+@contextlib.contextmanager
+def serve(name: str, args, say, http: bool = False):
+    """Start what a target talks to (the mesh, or vLLM's server) for the length of the block;
+    `http`: the mesh's HTTP door too (for mesh-http).
+
+    Yields ({target: endpoint}, server pids); no endpoint for targets that run in this process.
     """
-    if name == "mesh" and args.gateway is None:
+    if name in ("mesh", "mesh-http") and args.gateway is None:
         from services.launcher import Mesh, MeshOptions
 
         mesh = Mesh(
@@ -179,15 +193,17 @@ def serve(name: str, args, say):
                 event_loop=args.event_loop,
                 warmup_requests=4,
                 log_level="warning",
+                http_port=0 if http else -1,
             )
         )
         try:
             mesh.start(progress=say)
-            yield mesh.target("gateway"), [c.proc.pid for c in mesh.children]
+            endpoints = {"mesh": mesh.target("gateway"), **({"mesh-http": mesh.http_url()} if http else {})}
+            yield endpoints, [c.proc.pid for c in mesh.children]
         finally:
             mesh.stop()
-    elif name == "mesh":
-        yield args.gateway, []
+    elif name in ("mesh", "mesh-http"):
+        yield {"mesh": args.gateway, "mesh-http": args.gateway_http}, []
     elif name == "vllm":
         from services.bench.peer import VllmServer
         from services.model.spec import load_spec
@@ -195,11 +211,11 @@ def serve(name: str, args, say):
         server = VllmServer(args.model, load_spec(args.model).text.max_context)
         try:
             server.wait_ready(say)
-            yield server.base, server.pids
+            yield {"vllm": server.base}, server.pids
         finally:
             server.stop()
     else:
-        yield None, []
+        yield {}, []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         with serve("mesh", args, say) as mesh, serve("vllm", args, say) as peer:
             factory = RequestFactory(WORKLOADS[workloads[0]], tokenizer, args.seed, qos_mix)
             pairs = eventloop.run(
-                same_answers({"mesh": mesh[0], "vllm": peer[0]}, factory, SAME_ANSWER_CHECKS, args.api_key),
+                same_answers({**mesh[0], **peer[0]}, factory, SAME_ANSWER_CHECKS, args.api_key),
                 args.event_loop,
             )
         config["same_answers"] = pairs
@@ -236,13 +252,14 @@ def main(argv: list[str] | None = None) -> int:
             say("the mesh and vLLM answer differently: they would not be doing the same work; stopping")
             return 1
     runs, records = [], {}
-    for name in targets:
-        with serve(name, args, say) as (endpoint, pids):
-            r, rec = eventloop.run(
-                run_target(name, args, workloads, rates, qos_mix, tokenizer, {name: endpoint}, pids), args.event_loop
-            )
-        runs += r
-        records.update(rec)
+    for group in groups(targets):
+        with serve(group[0], args, say, http="mesh-http" in group) as (endpoints, pids):
+            for name in group:
+                r, rec = eventloop.run(
+                    run_target(name, args, workloads, rates, qos_mix, tokenizer, endpoints, pids), args.event_loop
+                )
+                runs += r
+                records.update(rec)
     write_json(out / "results.json", config, environment(args.model, args.event_loop), runs, records)
     plots = plot(out, runs, records, args.warmup)
     print(f"wrote {out / 'results.json'} and {', '.join(str(p) for p in plots)}", file=sys.stderr)

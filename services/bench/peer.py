@@ -12,7 +12,6 @@ caching and the multimodal processor cache are off, as in the mesh, which has ne
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 import shutil
@@ -23,8 +22,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-from services.bench.targets import Outcome
-from services.bench.workloads import BenchRequest
 from services.launcher import free_port
 
 SHIM = Path(__file__).resolve().parent / "vllm_shim"
@@ -110,49 +107,3 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(30)
-
-
-class VllmTarget:
-    """The same requests as the mesh gets, as OpenAI chat completions (streamed, greedy, forced length)."""
-
-    name = "vllm"
-
-    def __init__(self, base_url: str) -> None:
-        from openai import AsyncOpenAI
-
-        self.client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
-
-    async def send(self, req: BenchRequest) -> Outcome:
-        import openai
-
-        image = {
-            "type": "image_url",
-            "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(req.image).decode()},
-        }
-        start = time.perf_counter()
-        ttft, tokens, text = None, 0, []
-        try:
-            stream = await self.client.chat.completions.create(
-                model="peer",
-                messages=[{"role": "user", "content": [image, {"type": "text", "text": req.prompt}]}],
-                max_tokens=req.max_tokens,
-                temperature=0.0,
-                stream=True,
-                stream_options={"include_usage": True},
-                extra_body={"min_tokens": req.max_tokens, "ignore_eos": True},
-            )
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    if ttft is None:
-                        ttft = time.perf_counter() - start
-                    text.append(chunk.choices[0].delta.content)
-                if chunk.usage is not None:
-                    tokens = chunk.usage.completion_tokens
-        except openai.APIStatusError as err:
-            return Outcome(f"HTTP_{err.status_code}", time.perf_counter() - start)
-        except openai.APIError as err:
-            return Outcome(f"CLIENT_{type(err).__name__}", time.perf_counter() - start)
-        return Outcome("OK", time.perf_counter() - start, ttft, tokens, text="".join(text))
-
-    async def close(self) -> None:
-        await self.client.close()

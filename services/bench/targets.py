@@ -1,9 +1,11 @@
-"""What the load generator drives: the mesh over gRPC, the same engine in-process, or
-transformers' naive `generate`. Each `send` returns an Outcome and never raises."""
+"""What the load generator drives: the mesh over gRPC, an OpenAI-compatible HTTP server (the
+mesh's own HTTP door, or vLLM's), the same engine in-process, or transformers' naive `generate`.
+Each `send` returns an Outcome and never raises."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import time
 from dataclasses import dataclass
@@ -103,6 +105,57 @@ class MeshTarget:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class OpenAiTarget:
+    """The same requests as the mesh gets, as OpenAI chat completions (streamed, greedy, forced
+    length through vLLM's min_tokens and ignore_eos, which the mesh's HTTP door takes too)."""
+
+    def __init__(self, base_url: str, name: str, model: str, api_key: str | None = None) -> None:
+        from openai import AsyncOpenAI
+
+        self.name, self.model = name, model
+        self.client = AsyncOpenAI(
+            base_url=base_url, api_key=api_key or "none", max_retries=0, timeout=REQUEST_TIMEOUT_S
+        )
+
+    async def send(self, req: BenchRequest) -> Outcome:
+        import openai
+
+        image = {
+            "type": "image_url",
+            "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(req.image).decode()},
+        }
+        start = time.perf_counter()
+        ttft, tokens, text, cached = None, 0, [], 0
+        try:
+            stream = await self.client.chat.completions.create(
+                model=self.model,
+                messages=[{"role": "user", "content": [image, {"type": "text", "text": req.prompt}]}],
+                max_tokens=req.max_tokens,
+                temperature=0.0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"min_tokens": req.max_tokens, "ignore_eos": True},
+                extra_headers={QOS_METADATA_KEY: req.qos.wire},
+            )
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    text.append(chunk.choices[0].delta.content)
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+                    details = chunk.usage.prompt_tokens_details
+                    cached = (details.cached_tokens or 0) if details is not None else 0
+        except openai.APIStatusError as err:
+            return Outcome(f"HTTP_{err.status_code}", time.perf_counter() - start)
+        except openai.APIError as err:
+            return Outcome(f"CLIENT_{type(err).__name__}", time.perf_counter() - start)
+        return Outcome("OK", time.perf_counter() - start, ttft, tokens, text="".join(text), cached_tokens=cached)
+
+    async def close(self) -> None:
+        await self.client.close()
 
 
 class InprocessTarget:

@@ -1,4 +1,5 @@
-"""One exception hierarchy for the mesh, and the one place it maps to gRPC statuses and back.
+"""One exception hierarchy for the mesh, and the one place it maps to gRPC statuses and back,
+and from them to HTTP statuses (the gateway's OpenAI-compatible door).
 
 Code anywhere raises a `MeshError` subclass; `abort` (called by the servicer wrappers in
 services/common/rpc.py) turns it into the matching status, and `from_rpc_error` turns a
@@ -133,6 +134,29 @@ def from_rpc_error(err: grpc.RpcError, peer: str) -> MeshError:
         out.code = code
         return out
     return Unavailable(f"{peer} failed with {code.name}: {details}")
+
+
+# gRPC status -> HTTP status, as grpc-gateway and Envoy's grpc_json_transcoder map them (499: the
+# client closed the request). Anything not listed is 500.
+HTTP_STATUS = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    """The HTTP status for a gRPC status code."""
+    return HTTP_STATUS.get(code, 500)
 
 
 async def abort(context: grpc.aio.ServicerContext, err: BaseException, method: str) -> None:

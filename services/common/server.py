@@ -11,7 +11,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -81,11 +81,13 @@ async def start_server(
     cfg: ServerConfig,
     register: Iterable[Callable[[grpc.aio.Server], None]],
     service_names: Iterable[str],
+    other_ports: Mapping[str, int] | None = None,
 ) -> RunningServer:
     """Bind, register the servicers plus health and reflection, start, and report SERVING.
 
     Port 0 picks a free port; the bound one is returned, and written to `cfg.port_file`
-    when one is given (after SERVING, so the file's presence means "ready").
+    when one is given (after SERVING, so the file's presence means "ready"), with
+    `other_ports` (e.g. {"http_port": 8000}: ports the service bound itself, before this).
     """
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=telemetry.server_interceptors())
     for add in register:
@@ -109,15 +111,15 @@ async def start_server(
     running = RunningServer(server, health_servicer, bound, names)
     await running.set_serving(True)
     if cfg.port_file:
-        write_port_file(cfg.port_file, bound, cfg.metrics_port)
+        write_port_file(cfg.port_file, bound, cfg.metrics_port, other_ports)
     return running
 
 
-def write_port_file(path: str, port: int, metrics_port: int) -> None:
+def write_port_file(path: str, port: int, metrics_port: int, other_ports: Mapping[str, int] | None = None) -> None:
     """Write the bound ports atomically: a reader sees the whole file or none."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"port": port, "metrics_port": metrics_port}, f)
+        json.dump({"port": port, "metrics_port": metrics_port, **(other_ports or {})}, f)
     os.replace(tmp, path)
 
 
@@ -125,11 +127,13 @@ async def serve_until_signal(
     running: RunningServer,
     grace_s: float,
     on_stop: Callable[[], object] | None = None,
+    drain_also: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then stop gracefully.
 
     Order: report NOT_SERVING (load balancers drain), stop accepting new RPCs, let
     in-flight RPCs finish for up to `grace_s`, then run `on_stop` (engine threads, arenas).
+    `drain_also` (another door, e.g. HTTP) stops alongside the gRPC server.
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -141,7 +145,7 @@ async def serve_until_signal(
     if stop.is_set():
         log.info("stopping: draining in-flight requests for up to %.0fs", grace_s)
         await running.set_serving(False)
-        await running.server.stop(grace_s)
+        await asyncio.gather(running.server.stop(grace_s), *([drain_also()] if drain_also else []))
     stopper.cancel()
     waiter.cancel()
     if on_stop is not None:

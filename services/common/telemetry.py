@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,18 @@ def span(name: str, attributes: dict | None = None, links: Sequence | None = Non
     if not ENABLED:
         return _NULL
     return _tracer.start_as_current_span(name, attributes=attributes, links=links)
+
+
+def server_span(name: str, headers: Mapping[str, str], attributes: dict | None = None):
+    """A SERVER span for a request that came over HTTP: it continues the caller's W3C trace context
+    (`traceparent` in `headers`), or starts a trace (a null context when off)."""
+    if not ENABLED:
+        return _NULL
+    from opentelemetry import propagate, trace
+
+    return _tracer.start_as_current_span(
+        name, context=propagate.extract(headers), kind=trace.SpanKind.SERVER, attributes=attributes
+    )
 
 
 def current_span():

@@ -16,7 +16,9 @@ from services.common.errors import InvalidArgument
 from services.common.sampling import Sampling
 from vlmesh.v1 import common_pb2 as pb
 
-MAX_PROMPT_CHARS = 100_000
+MAX_PROMPT_CHARS = 100_000  # a prompt, or all text of a conversation
+MAX_MESSAGES = 256
+ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TEMPERATURE = 100.0
@@ -43,6 +45,53 @@ def check_prompt(prompt: str) -> None:
         raise InvalidArgument("prompt is empty: ask something about the image")
     if len(prompt) > MAX_PROMPT_CHARS:
         raise InvalidArgument(f"prompt has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+
+
+def check_conversation(prompt: str, messages: Sequence[pb.ChatMessage], n_images: int) -> str | list[dict]:
+    """What the chat template renders: `prompt` (one user turn after the images), or `messages`
+    as the template takes them ({"role", "content": [{"type": "text"|"image", ...}]}).
+
+    Set one of the two. A conversation ends with a user message, puts images in user messages
+    only, and has exactly one image part per image, in order.
+    """
+    if not messages:
+        check_prompt(prompt)
+        return prompt
+    if prompt:
+        raise InvalidArgument("set prompt or messages, not both")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidArgument(f"messages has {len(messages)} entries; the limit is {MAX_MESSAGES}")
+    turns: list[dict] = []
+    images = chars = 0
+    for i, message in enumerate(messages):
+        if message.role not in ROLES:
+            raise InvalidArgument(f"messages[{i}].role {message.role!r} is not one of {', '.join(ROLES)}")
+        content: list[dict] = []
+        for j, part in enumerate(message.content):
+            kind = part.WhichOneof("part")
+            if kind == "text":
+                chars += len(part.text.strip())
+                content.append({"type": "text", "text": part.text})
+            elif kind == "image" and part.image:
+                if message.role != "user":
+                    raise InvalidArgument(f"messages[{i}].content[{j}]: images go in user messages only")
+                images += 1
+                content.append({"type": "image"})
+            else:
+                raise InvalidArgument(f"messages[{i}].content[{j}] is empty: set text or image")
+        if not content:
+            raise InvalidArgument(f"messages[{i}] ({message.role}) has no content")
+        turns.append({"role": message.role, "content": content})
+    if turns[-1]["role"] != "user":
+        last = turns[-1]["role"]
+        raise InvalidArgument(f"messages must end with a user message, not {last!r}: the answer follows it")
+    if images != n_images:
+        raise InvalidArgument(f"messages have {images} image parts for {n_images} images; give one part per image")
+    if chars == 0:
+        raise InvalidArgument("messages have no text: ask something about the image")
+    if chars > MAX_PROMPT_CHARS:
+        raise InvalidArgument(f"messages have {chars} characters of text; the limit is {MAX_PROMPT_CHARS}")
+    return turns
 
 
 def check_sampling(p: pb.SamplingParams, max_context: int) -> Sampling:

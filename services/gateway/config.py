@@ -124,6 +124,46 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP API beside gRPC (services/gateway/http/)."""
+
+    FLAGS_TITLE = "gateway: OpenAI-compatible HTTP API"
+
+    port: int = flag(
+        "--http-port",
+        default=-1,
+        help="serve /v1/chat/completions, /v1/models, /health and /metrics over HTTP on this port, beside "
+        "gRPC (same admission, tenants, QoS, traces); 0 picks a free one, -1 turns it off (default %(default)s)",
+    )
+    image_urls: bool = flag(
+        "--http-image-urls",
+        default=False,
+        help="fetch http(s) image_url parts; off, only data: URLs are taken (default: off, so that a caller "
+        "cannot make the gateway fetch from its network)",
+    )
+    image_url_max_mib: float = flag(
+        "--http-image-url-max-mib",
+        default=20.0,
+        help="largest image fetched from a URL, and largest data: URL (default %(default)s MiB)",
+    )
+    image_url_timeout_s: float = flag(
+        "--http-image-url-timeout-s", default=10.0, help="time to fetch one image URL (default %(default)s s)"
+    )
+
+    def check(self) -> None:
+        if not -1 <= self.port <= 65535:
+            raise ValueError(f"--http-port {self.port} must be a port, 0 (a free one) or -1 (off)")
+        if self.image_url_max_mib <= 0:
+            raise ValueError(f"--http-image-url-max-mib {self.image_url_max_mib} must be > 0")
+        if self.image_url_timeout_s <= 0:
+            raise ValueError(f"--http-image-url-timeout-s {self.image_url_timeout_s} must be > 0")
+
+    @property
+    def max_image_bytes(self) -> int:
+        return int(self.image_url_max_mib * 1024 * 1024)
+
+
+@dataclass(frozen=True, kw_only=True)
 class GatewayConfig:
     FLAGS_TITLE = "gateway"
     PROG = "vlmesh serve gateway"
@@ -153,10 +193,12 @@ class GatewayConfig:
         "output_tokens, ms, method), however it ends; --no-access-log turns it off (default: on)",
     )
     admission: AdmissionConfig = nested(AdmissionConfig)
+    http: HttpConfig = nested(HttpConfig)
 
     def check(self) -> None:
         self.server.check()
         self.admission.check()
+        self.http.check()
         for flag_name, target in (("--vision-target", self.vision_target), ("--llm-target", self.llm_target)):
             if ":" not in target:
                 raise ValueError(f"{flag_name} {target!r} must be HOST:PORT (or unix:PATH)")

@@ -28,19 +28,42 @@ async def serve(cfg: gateway_config.GatewayConfig) -> None:
     servicer = GatewayServicer(
         cfg.vision_target, cfg.llm_target, cfg.max_images, tenants, cfg.admission, access_log=cfg.access_log
     )
+    http = await start_http(cfg, servicer) if cfg.http.port >= 0 else None
     running = await start_server(
         cfg.server,
         [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],
         [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
+        other_ports={"http_port": http[1].port} if http else None,
     )
     log.info(
-        "gateway serving on %s:%d (vision %s, llm %s)",
+        "gateway serving on %s:%d (vision %s, llm %s)%s",
         cfg.server.host,
         running.port,
         cfg.vision_target,
         cfg.llm_target,
+        f"; OpenAI-compatible HTTP on http://{cfg.server.host}:{http[1].port}/v1" if http else "",
     )
-    await serve_until_signal(running, cfg.server.grace_s)
+
+    async def drain_http() -> None:
+        if http is not None:
+            api, server = http
+            api.serving = False
+            await server.stop()
+            await api.close()
+
+    await serve_until_signal(running, cfg.server.grace_s, drain_also=drain_http)
+
+
+async def start_http(cfg: gateway_config.GatewayConfig, servicer: GatewayServicer):
+    """The OpenAI-compatible door on --http-port: (its routes, its running server)."""
+    # Imported here: FastAPI and uvicorn load only when the HTTP door is on.
+    from services.gateway.http.app import OpenAiApi
+    from services.gateway.http.server import HttpServer
+
+    api = OpenAiApi(servicer, cfg.http)
+    server = HttpServer(api.app, cfg.server.host, cfg.http.port, cfg.server.grace_s)
+    await server.start()
+    return api, server
 
 
 def main(argv: list[str] | None = None) -> int:

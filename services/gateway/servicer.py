@@ -23,7 +23,7 @@ from services.common.qos import QosLevel, metadata_value, qos_from_metadata, qos
 from services.common.sampling import Sampling
 from services.common.server import GRPC_OPTIONS
 from services.common.timings import Timings
-from services.common.validation import check_images, check_prompt, check_sampling
+from services.common.validation import check_conversation, check_images, check_sampling
 from services.gateway.access_log import AccessLog, Entry
 from services.gateway.admission import Admission, AdmissionConfig, Ticket
 from services.gateway.tenants import Tenant, TenantRegistry
@@ -107,7 +107,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                     raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
                 check_images(request.images, self.max_images)
-                check_prompt(request.prompt)
+                check_conversation(request.prompt, request.messages, len(request.images))
                 info = await self.llm_info()
                 if request.model and request.model != info.model_id:
                     raise InvalidArgument(
@@ -184,6 +184,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 llm_pb2.LlmGenerateRequest(
                     request_id=request_id,
                     prompt=request.prompt,
+                    messages=request.messages,
                     image_features=encoded.features,
                     sampling=sampling.to_pb(),  # checked and normalised here, once
                 ),

@@ -59,7 +59,18 @@ LLM_FLAGS = (
     "quantize",
     "enforce_eager",
 )
-GATEWAY_FLAGS = ("tenants", "access_log", "max_images", "max_in_flight", "stage_budgets_ms", "class_budget_scale")
+GATEWAY_FLAGS = (
+    "tenants",
+    "access_log",
+    "max_images",
+    "max_in_flight",
+    "stage_budgets_ms",
+    "class_budget_scale",
+    "http_port",
+    "http_image_urls",
+    "http_image_url_max_mib",
+    "http_image_url_timeout_s",
+)
 PASSED_ON = {
     "gateway": SERVER_FLAGS + GATEWAY_FLAGS,
     "vision": SERVER_FLAGS + MODEL_FLAGS + VISION_FLAGS,
@@ -175,7 +186,8 @@ def up(argv: list[str] | None = None) -> int:
             else:
                 mesh = Mesh(options)
                 mesh.start(_say)
-                print(f"gateway ready on {mesh.target('gateway')}", flush=True)
+                http = f"; OpenAI-compatible HTTP on {mesh.http_url()}" if mesh.http_port else ""
+                print(f"gateway ready on {mesh.target('gateway')}{http}", flush=True)
             ready = True
             mesh.wait()
             _say("stopping")
@@ -211,6 +223,8 @@ def _checked_options(argv: Sequence[str]) -> MeshOptions:
     except ValueError as err:
         p.error(str(err))
     if options.variants:
+        if options.gateway.http.port >= 0:
+            p.error("--http-port: not with --variants yet (Envoy routes gRPC only); use a worker's gateway")
         try:
             parse_variants(options.variants)
             envoy_binary()
@@ -223,7 +237,7 @@ def _checked_options(argv: Sequence[str]) -> MeshOptions:
     # A second mesh on the same ports fails here, before a preset's weights are made or loaded.
     # (With --variants only Envoy's port is fixed: each variant's worker takes free ports.)
     servers = {name: cfg.server for name, cfg in options.configs().items()}
-    check_ports({"gateway": servers["gateway"]} if options.variants else servers)
+    check_ports({"gateway": servers["gateway"]} if options.variants else servers, options.gateway.http.port)
     args.model = resolve_model(args.model)  # preset:NAME -> its directory, made once before the children start
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model}: not a checkpoint directory (no config.json)")

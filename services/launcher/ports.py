@@ -27,9 +27,10 @@ class PortBusy(MeshError):
     """A port the mesh was told to use is taken (`vlmesh up` exits 2)."""
 
 
-def check_ports(servers: Mapping[str, ServerConfig]) -> None:
+def check_ports(servers: Mapping[str, ServerConfig], http_port: int = -1) -> None:
     """Raise PortBusy, naming the service, the address and `vlmesh up`'s flag, for the first fixed
-    port (gRPC or metrics) that some other process listens on. Port 0 and metrics -1 are skipped."""
+    port (gRPC, metrics, the gateway's HTTP) that some other process listens on. Port 0 and -1
+    are skipped."""
     for name, cfg in servers.items():
         if port_in_use(cfg.host, cfg.port):
             raise PortBusy(f"the {name} {PortInUse(f'{cfg.host}:{cfg.port}', f'--{name}-port')}")
@@ -37,6 +38,9 @@ def check_ports(servers: Mapping[str, ServerConfig]) -> None:
         if cfg.metrics_port > 0 and port_in_use(cfg.host, cfg.metrics_port):
             busy = PortInUse(f"{cfg.host}:{cfg.metrics_port}", "--metrics-ports", what="its metrics port ")
             raise PortBusy(f"the {name} {busy}")
+    host = servers["gateway"].host if "gateway" in servers else "127.0.0.1"
+    if http_port > 0 and port_in_use(host, http_port):
+        raise PortBusy(f"the gateway {PortInUse(f'{host}:{http_port}', '--http-port', what='its HTTP port ')}")
 
 
 def free_port(host: str) -> int:

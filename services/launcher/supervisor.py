@@ -106,6 +106,7 @@ class Mesh:
         # these hold the bound ports from then on.
         self.ports = {name: cfg.server.port for name, cfg in self.configs.items()}
         self.metrics_ports = {name: cfg.server.metrics_port for name, cfg in self.configs.items()}
+        self.http_port = opts.gateway.http.port if opts.gateway.http.port > 0 else None  # -1: off; 0: once bound
         self._run = RunDir()
         self._warmup_key = secrets.token_urlsafe(32)
 
@@ -114,6 +115,12 @@ class Mesh:
         if self.ports[name] == 0:
             raise MeshError(f"the {name}'s port is not known before it serves")
         return f"{self.configs[name].server.host}:{self.ports[name]}"
+
+    def http_url(self) -> str:
+        """The gateway's OpenAI-compatible base URL (http://HOST:PORT/v1), once it serves with --http-port."""
+        if not self.http_port:
+            raise MeshError("the gateway serves no HTTP (--http-port -1), or does not serve yet")
+        return f"http://{self.configs['gateway'].server.host}:{self.http_port}/v1"
 
     def _where(self, name: str) -> str:
         host = self.configs[name].server.host
@@ -163,6 +170,8 @@ class Mesh:
                     continue
                 self.ports[child.name] = bound["port"]
                 self.metrics_ports[child.name] = bound["metrics_port"]
+                if "http_port" in bound:
+                    self.http_port = bound["http_port"]
                 if health_status(self.target(child.name)) == health_pb2.HealthCheckResponse.SERVING:
                     pending.remove(child)
             time.sleep(0.1)

@@ -24,7 +24,7 @@ class Job:
     """One generation as an engine receives it: validated, its QoS parsed, its features opened."""
 
     request_id: str
-    prompt: str
+    prompt: str | list[dict]  # a prompt, or a conversation (services/common/validation.py check_conversation)
     features: list[torch.Tensor]  # one [image_tokens, H] per image, in prompt order
     sampling: Sampling
     qos: QosLevel

@@ -24,7 +24,7 @@ from services.common.logs import request_context
 from services.common.memory import MemoryGuard, Watermarks
 from services.common.qos import qos_from_metadata
 from services.common.timings import Timings
-from services.common.validation import check_prompt, check_sampling
+from services.common.validation import check_conversation, check_sampling
 from services.handoff.consumer import Consumer
 from services.handoff.wire import transport_name
 from services.llm.interface import Engine, Job
@@ -72,10 +72,10 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             }
         )
         self.memory.admit(qos)
-        check_prompt(request.prompt)
-        sampling = check_sampling(request.sampling, self.spec.text.max_context)
         if not request.image_features:
             raise InvalidArgument("image_features: one image is required")
+        prompt = check_conversation(request.prompt, request.messages, len(request.image_features))
+        sampling = check_sampling(request.sampling, self.spec.text.max_context)
         t0 = time.perf_counter()
         refs = request.image_features
         kinds = sorted({transport_name(r.transport) for r in refs})
@@ -87,7 +87,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
                 )
             handoff = time.perf_counter() - t0
             keys = [ref.content_key for ref in refs]
-            job = Job(request.request_id, request.prompt, features.tensors, sampling, qos, keys)
+            job = Job(request.request_id, prompt, features.tensors, sampling, qos, keys)
             # An engine that reads in place verifies, then releases, the leases after its prefill.
             sub = self.engine.submit(job, features.hold() if self.engine.reads_in_place else None)
         except BaseException:

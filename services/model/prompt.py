@@ -4,6 +4,7 @@ placeholders expanded to one position per image feature."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,14 +70,19 @@ class PromptBuilder:
                 f"but config.json says image_token_index={spec.image_token_id}"
             )
 
-    def render(self, prompt: str, n_images: int) -> str:
-        content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": prompt}]
-        messages = [{"role": "user", "content": content}]
+    def render(self, prompt: str | Sequence[dict], n_images: int) -> str:
+        """The templated text: a prompt is one user turn, its images first; a conversation (as
+        check_conversation returns it) is rendered as it is."""
+        if isinstance(prompt, str):
+            content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": prompt}]
+            messages: Sequence[dict] = [{"role": "user", "content": content}]
+        else:
+            messages = prompt
         return self.tokenizer.apply_chat_template(
-            messages, chat_template=self.template, add_generation_prompt=True, tokenize=False
+            list(messages), chat_template=self.template, add_generation_prompt=True, tokenize=False
         )
 
-    def build(self, prompt: str, n_images: int) -> PromptIds:
+    def build(self, prompt: str | Sequence[dict], n_images: int) -> PromptIds:
         text = self.render(prompt, n_images)
         # The template writes BOS itself, so the tokenizer adds no special tokens (as
         # transformers does for chat templates).

@@ -25,17 +25,15 @@ FAILURES: list[str] = []  # the details of every status that was not OK, for the
 
 @pytest.fixture(scope="module")
 def variants():
-    # The feature cache is off here: with it on, a worker taking ~200 req/s of one cached picture
-    # answers FAILED_PRECONDITION (a "stale" or "about to expire" cached slot) for about one request
-    # in a thousand: an open bug of the cache (docs/DESIGN.md, "The vision feature cache"), not of
-    # the routing this module tests. Four runs with it off showed none.
+    # The feature cache is on (the default): its pictures repeat, so after the failover one
+    # worker takes ~200 req/s of one cached picture, which is how the share/release race of
+    # arena.py showed (about one FAILED_PRECONDITION in a thousand before the fix).
     opts = mesh_options(
         DEMO,
         max_llm_batch=8,
         warmup_requests=1,
         variants="full=70,int8=30",
         envoy_admin_port=0,
-        feature_cache_mib=0,
     )
     with VariantMesh(opts, parse_variants(opts.variants), opts.envoy_admin_port) as mesh:
         mesh.start(progress=lambda m: None)

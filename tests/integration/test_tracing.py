@@ -6,6 +6,7 @@ into .venv-phoenix. Without it the test skips, unless REQUIRE_OBSERVABILITY=1 (a
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from services.launcher import Mesh, free_port
@@ -91,8 +93,32 @@ def spans(rest: str) -> list[dict]:
             return out
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
-def test_one_trace_per_request_across_three_services(phoenix, tiny_model, protocol):
+def send(mesh, door: str, rid: str, level: str, data: bytes) -> None:
+    """One request through the gRPC door or the OpenAI-compatible HTTP one."""
+    if door == "http":
+        url = "data:image/png;base64," + base64.b64encode(data).decode()
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is in the image?"}]
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+        headers = {"x-request-id": rid, "qos-level": level}
+        r = httpx.post(f"{mesh.http_url()}/chat/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+        return
+    with grpc.insecure_channel(mesh.target("gateway")) as ch:
+        req = gateway_pb2.GenerateRequest(
+            request_id=rid,
+            images=[pb.Image(data=data)],
+            prompt="What is in the image?",
+            sampling=pb.SamplingParams(max_tokens=4),
+        )
+        list(gateway_pb2_grpc.GatewayStub(ch).Generate(req, metadata=(("qos-level", level),), timeout=30))
+
+
+ROOT_SPAN = {"grpc": "/vlmesh.v1.Gateway/Generate", "http": "POST /v1/chat/completions"}
+
+
+@pytest.mark.parametrize(("protocol", "door"), [("grpc", "grpc"), ("http/protobuf", "grpc"), ("grpc", "http")])
+def test_one_trace_per_request_across_three_services(phoenix, tiny_model, protocol, door):
+    """The same trace whichever door a request came through; the door's server span is its root."""
     endpoint = phoenix["grpc"] if protocol == "grpc" else phoenix["http"]
     env = {
         "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
@@ -100,19 +126,13 @@ def test_one_trace_per_request_across_three_services(phoenix, tiny_model, protoc
         "OTEL_BSP_SCHEDULE_DELAY": "100",
         "OMP_NUM_THREADS": "1",
     }
-    ids = {f"{protocol}-req-{i}": level for i, level in enumerate(("realtime", "standard", "best-effort"))}
-    with Mesh(mesh_options(tiny_model, warmup_requests=0, extra_env=env)) as mesh:
+    ids = {f"{protocol}-{door}-req-{i}": level for i, level in enumerate(("realtime", "standard", "best-effort"))}
+    with Mesh(
+        mesh_options(tiny_model, warmup_requests=0, extra_env=env, http_port=0 if door == "http" else -1)
+    ) as mesh:
         mesh.start(progress=lambda m: None)
-        with grpc.insecure_channel(mesh.target("gateway")) as ch:
-            stub = gateway_pb2_grpc.GatewayStub(ch)
-            for i, (rid, level) in enumerate(ids.items()):
-                req = gateway_pb2.GenerateRequest(
-                    request_id=rid,
-                    images=[pb.Image(data=image_bytes(2 + i))],  # each new: the vision runs every stage
-                    prompt="What is in the image?",
-                    sampling=pb.SamplingParams(max_tokens=4),
-                )
-                list(stub.Generate(req, metadata=(("qos-level", level),), timeout=30))
+        for i, (rid, level) in enumerate(ids.items()):
+            send(mesh, door, rid, level, image_bytes(2 + i))  # each picture new: the vision runs every stage
         deadline = time.monotonic() + 30
         while True:  # spans are exported in batches: wait until every request's trace is complete
             everything = spans(phoenix["rest"])
@@ -138,7 +158,7 @@ def test_one_trace_per_request_across_three_services(phoenix, tiny_model, protoc
         assert {"vlmesh-gateway", "vlmesh-vision", "vlmesh-llm"} <= services
         by_id = {s["context"]["span_id"]: s for s in trace}
         roots = [s for s in trace if not s.get("parent_id")]
-        assert len(roots) == 1 and roots[0]["name"] == "/vlmesh.v1.Gateway/Generate"
+        assert len(roots) == 1 and roots[0]["name"] == ROOT_SPAN[door]
         assert all(s["parent_id"] in by_id for s in trace if s.get("parent_id")), "a span's parent is missing"
         assert roots[0]["attributes"]["qos.level"] == level
         # The server spans downstream carry the request's id and class too.

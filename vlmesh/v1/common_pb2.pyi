@@ -55,6 +55,22 @@ class Image(_message.Message):
     mime_type: str
     def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: _containers.RepeatedCompositeFieldContainer[ContentPart]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+
+class ContentPart(_message.Message):
+    __slots__ = ("text", "image")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: bool
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[bool] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "seed", "stop", "min_tokens", "ignore_eos")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from vlmesh.v1 import common_pb2 as vlmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17vlmesh/v1/gateway.proto\x12\tvlmesh.v1\x1a\x16vlmesh/v1/common.proto\"\x93\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x06images\x18\x02 \x03(\x0b\x32\x10.vlmesh.v1.Image\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.vlmesh.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\"\xc2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.vlmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.vlmesh.v1.Usage\x12(\n\x07timings\x18\x06 \x01(\x0b\x32\x17.vlmesh.v1.StageTimings\"\xc0\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.vlmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.vlmesh.v1.Usage\x12(\n\x07timings\x18\x06 \x01(\x0b\x32\x17.vlmesh.v1.StageTimings2\xd0\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.vlmesh.v1.GenerateRequest\x1a\x1b.vlmesh.v1.GenerateResponse0\x01\x12\x46\n\rGenerateUnary\x12\x1a.vlmesh.v1.GenerateRequest\x1a\x19.vlmesh.v1.GenerateResult\x12\x36\n\x04Info\x12\x16.vlmesh.v1.InfoRequest\x1a\x16.vlmesh.v1.ServiceInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17vlmesh/v1/gateway.proto\x12\tvlmesh.v1\x1a\x16vlmesh/v1/common.proto\"\xbd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x06images\x18\x02 \x03(\x0b\x32\x10.vlmesh.v1.Image\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.vlmesh.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12(\n\x08messages\x18\x06 \x03(\x0b\x32\x16.vlmesh.v1.ChatMessage\"\xc2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.vlmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.vlmesh.v1.Usage\x12(\n\x07timings\x18\x06 \x01(\x0b\x32\x17.vlmesh.v1.StageTimings\"\xc0\x01\n\x0eGenerateResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.vlmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.vlmesh.v1.Usage\x12(\n\x07timings\x18\x06 \x01(\x0b\x32\x17.vlmesh.v1.StageTimings2\xd0\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.vlmesh.v1.GenerateRequest\x1a\x1b.vlmesh.v1.GenerateResponse0\x01\x12\x46\n\rGenerateUnary\x12\x1a.vlmesh.v1.GenerateRequest\x1a\x19.vlmesh.v1.GenerateResult\x12\x36\n\x04Info\x12\x16.vlmesh.v1.InfoRequest\x1a\x16.vlmesh.v1.ServiceInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vlmesh.v1.gateway_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=63
-  _globals['_GENERATEREQUEST']._serialized_end=210
-  _globals['_GENERATERESPONSE']._serialized_start=213
-  _globals['_GENERATERESPONSE']._serialized_end=407
-  _globals['_GENERATERESULT']._serialized_start=410
-  _globals['_GENERATERESULT']._serialized_end=602
-  _globals['_GATEWAY']._serialized_start=605
-  _globals['_GATEWAY']._serialized_end=813
+  _globals['_GENERATEREQUEST']._serialized_end=252
+  _globals['_GENERATERESPONSE']._serialized_start=255
+  _globals['_GENERATERESPONSE']._serialized_end=449
+  _globals['_GENERATERESULT']._serialized_start=452
+  _globals['_GENERATERESULT']._serialized_end=644
+  _globals['_GATEWAY']._serialized_start=647
+  _globals['_GATEWAY']._serialized_end=855
 # @@protoc_insertion_point(module_scope)

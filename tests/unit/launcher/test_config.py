@@ -18,7 +18,7 @@ from services.common.flags import flag_defaults, flag_specs, to_argv
 from services.common.memory import Watermarks
 from services.common.qos import QosLevel
 from services.gateway import config as gateway_config
-from services.gateway.config import AdmissionConfig, GatewayConfig
+from services.gateway.config import AdmissionConfig, GatewayConfig, HttpConfig
 from services.launcher import MeshOptions, cli, supervisor
 from services.llm import config as llm_config
 from services.llm.config import LlmConfig
@@ -61,6 +61,7 @@ CUSTOM = {
             stage_budgets_ms={"preprocess": 1.5, "vision": 0.1, "prefill": 7.0, "decode": 1e-3},
             class_scale={QosLevel.REALTIME: 2.0, QosLevel.STANDARD: 3.0, QosLevel.BEST_EFFORT: 1 / 3},
         ),
+        http=HttpConfig(port=8080, image_urls=True, image_url_max_mib=2.5, image_url_timeout_s=0.5),
     ),
     "vision": VisionConfig(
         server=custom_server(0),

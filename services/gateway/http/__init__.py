@@ -1,0 +1,1 @@
+"""The gateway's OpenAI-compatible HTTP door (FastAPI on uvicorn), beside its gRPC one."""

@@ -1,0 +1,299 @@
+"""The OpenAI-compatible HTTP door, driven by the official `openai` client, curl and plain HTTP,
+against a real mesh on the demo model (whose answers show which picture it saw)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import grpc
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from services.launcher import Mesh
+from services.model import shapes
+from tests.helpers import ROOT, mesh_options, sample, scrape, settle
+from vlmesh.v1 import common_pb2 as pb
+from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
+
+DEMO = ROOT / "models" / "demo"
+KEY = "sk-ops"
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tenants") / "tenants.json"
+    tenants = [
+        {"id": "ops", "api_keys": [KEY], "max_qos": "realtime", "requests_per_second": 1000, "burst": 1000},
+        {"id": "once", "api_keys": ["sk-once"], "max_qos": "standard", "requests_per_second": 0.01, "burst": 1},
+    ]
+    path.write_text(json.dumps({"tenants": tenants}))
+    opts = mesh_options(DEMO, http_port=0, warmup_requests=1, tenants=str(path), max_llm_batch=4)
+    with Mesh(opts) as running:
+        running.start(progress=lambda m: None)
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(mesh):
+    # No retries: a 429 or 503 must reach the test as it is.
+    with openai.OpenAI(base_url=mesh.http_url(), api_key=KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def picture(seed: int) -> tuple[shapes.Picture, str]:
+    pic = shapes.render(np.random.default_rng([77, seed]))
+    return pic, "data:image/png;base64," + base64.b64encode(shapes.encode(pic.image, "PNG")).decode()
+
+
+def ask(url: str, prompt: str) -> list[dict]:
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": prompt}],
+        }
+    ]
+
+
+def test_a_chat_with_an_image_is_answered_for_that_picture(client):
+    for seed, prompt in enumerate(shapes.PROMPTS):
+        pic, url = picture(seed)
+        raw = client.chat.completions.with_raw_response.create(model="demo", messages=ask(url, prompt), max_tokens=8)
+        r = raw.parse()
+        assert r.choices[0].message.content == pic.answer(prompt), (seed, prompt)
+        assert r.choices[0].finish_reason == "stop" and r.object == "chat.completion" and r.model == "demo"
+        assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > r.usage.completion_tokens
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        assert r.usage.prompt_tokens_details.cached_tokens >= 0
+        assert raw.headers["x-model-variant"] == "full" and r.id == f"chatcmpl-{raw.headers['x-request-id']}"
+
+
+def test_a_streamed_chat_gives_the_same_answer_then_usage(client):
+    pic, url = picture(10)
+    prompt = "What is in the image?"
+    chunks = list(
+        client.chat.completions.create(
+            model="demo", messages=ask(url, prompt), max_tokens=8, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == pic.answer(prompt)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_a_conversation_with_a_system_message_and_earlier_turns(client):
+    _, url = picture(11)
+    messages = [
+        {"role": "system", "content": "You answer about pictures."},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Hi"}]},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "What shape is it?"},
+    ]
+    r = client.chat.completions.create(model="demo", messages=messages, max_tokens=8)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+
+
+def test_max_tokens_ends_with_length(client):
+    _, url = picture(12)
+    r = client.chat.completions.create(
+        model="demo",
+        messages=ask(url, "What is in the image?"),
+        max_completion_tokens=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_a_wrong_key_is_an_authentication_error(mesh):
+    _, url = picture(13)
+    with openai.OpenAI(base_url=mesh.http_url(), api_key="sk-wrong", max_retries=0) as c:
+        with pytest.raises(openai.AuthenticationError) as err:
+            c.chat.completions.create(model="demo", messages=ask(url, "What shape is it?"))
+    assert err.value.status_code == 401 and "unknown API key" in err.value.message
+    assert err.value.body["type"] == "authentication_error"
+
+
+def test_over_the_quota_is_a_rate_limit_error_with_retry_after(mesh):
+    _, url = picture(14)
+    with openai.OpenAI(base_url=mesh.http_url(), api_key="sk-once", max_retries=0) as c:
+        c.chat.completions.create(model="demo", messages=ask(url, "What shape is it?"))  # the burst of 1
+        with pytest.raises(openai.RateLimitError) as err:
+            c.chat.completions.create(model="demo", messages=ask(url, "What shape is it?"))
+    assert "request rate" in err.value.message and int(err.value.response.headers["retry-after"]) >= 1
+
+
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        ("data:image/png;base64,AAAA", "messages.0.content.0.image_url.url: (3 bytes) is not a readable image"),
+        ("data:image/png;base64,@@@", "messages.0.content.0.image_url.url: the data: URL is not valid base64"),
+        ("data:text/plain;base64,aGk=", "is not an image"),
+        ("http://127.0.0.1:1/cat.png", "this server does not fetch image URLs"),
+        ("file:///etc/passwd", "give a data: URL (base64) or an http(s) URL"),
+    ],
+)
+def test_a_bad_image_is_a_bad_request_naming_the_problem(client, url, needle):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=ask(url, "What shape is it?"))
+    assert needle in err.value.message and err.value.body["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"seed": -1}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_what_this_server_cannot_honour_is_refused_by_name(client, extra, param):
+    _, url = picture(15)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=ask(url, "What shape is it?"), **extra)
+    assert err.value.body["param"] == param
+
+
+def test_other_refusals_keep_the_openai_shape(mesh):
+    base = mesh.http_url()
+    headers = {"authorization": f"Bearer {KEY}"}
+    _, url = picture(16)
+    r = httpx.post(f"{base}/chat/completions", content=b"{not json", headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{base}/chat/completions", json={"messages": ask(url, "hi")}, headers={**headers, "qos-level": "x"})
+    assert r.status_code == 400 and "qos-level" in r.json()["error"]["message"]
+    r = httpx.post(
+        f"{base}/chat/completions", json={"messages": ask(url, "hi")}, headers={**headers, "x-model-variant": "int4"}
+    )
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.post(
+        f"{base}/chat/completions", json={"messages": [{"role": "user", "content": "no picture"}]}, headers=headers
+    )
+    assert r.status_code == 400 and r.json()["error"]["message"] == "messages: one image is required (image_url parts)"
+
+
+def test_models_health_and_metrics(mesh):
+    base = mesh.http_url()
+    models = httpx.get(f"{base}/models").json()
+    assert models["object"] == "list" and [(m["id"], m["variant"]) for m in models["data"]] == [("demo", "full")]
+    assert httpx.get(base.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+    page = httpx.get(base.removesuffix("/v1") + "/metrics").text
+    assert 'vlmesh_requests_total{code="OK",method="ChatCompletions",service="gateway"}' in page
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_kv_slot(mesh):
+    gateway, llm = mesh.metrics_ports["gateway"], mesh.metrics_ports["llm"]
+    by_gateway = 'vlmesh_requests_total{code="CANCELLED",method="ChatCompletions",service="gateway"}'
+    by_llm = 'vlmesh_requests_total{code="CANCELLED",method="Generate",service="llm"}'
+    before = [sample(scrape(gateway), by_gateway) or 0, sample(scrape(llm), by_llm) or 0]
+    _, url = picture(17)
+    # 70 tokens past EOS (the context's room after the prompt): a stream that is still decoding
+    # when the client leaves after its first token.
+    body = {"model": "demo", "messages": ask(url, "What is in the image?"), "max_tokens": 70, "ignore_eos": True}
+    headers = {"authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=30) as c:
+        with c.stream(
+            "POST", f"{mesh.http_url()}/chat/completions", json={**body, "stream": True}, headers=headers
+        ) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data:") and json.loads(line[5:])["choices"][0]["delta"].get("content"):
+                    break
+    # The llm saw a cancel (not a finished request), and the slot and pages came back.
+    assert settle(llm, by_llm, before[1] + 1) == before[1] + 1
+    assert settle(gateway, by_gateway, before[0] + 1) == before[0] + 1
+    assert settle(llm, 'vlmesh_kv_slots{state="used"}', 0, absent_is_zero=True) in (0, None)
+
+
+def test_curl_streams_server_sent_events_that_parse(mesh):
+    curl = shutil.which("curl")
+    assert curl, "curl is needed (apt-get install curl)"
+    pic, url = picture(18)
+    body = json.dumps({"model": "demo", "messages": ask(url, "What color is the shape?"), "stream": True})
+    out = subprocess.run(
+        [
+            curl,
+            "-sN",
+            f"{mesh.http_url()}/chat/completions",
+            "-H",
+            "Content-Type: application/json",
+            "-H",
+            f"Authorization: Bearer {KEY}",
+            "-d",
+            "@-",  # the body on stdin: in base64 a picture outgrows one argument (128 KiB)
+        ],
+        input=body,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    events = [line[len("data: ") :] for line in out.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and all(line == "" or line.startswith("data: ") for line in out.splitlines())
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == pic.answer(
+        "What color is the shape?"
+    )
+
+
+def test_fifty_pictures_get_the_same_answers_through_both_doors(mesh):
+    stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(mesh.target("gateway")))
+    md = (("authorization", f"Bearer {KEY}"),)
+    with openai.OpenAI(base_url=mesh.http_url(), api_key=KEY, max_retries=0) as c:
+        for i in range(50):
+            _, url = picture(100 + i)
+            prompt = list(shapes.PROMPTS)[i % len(shapes.PROMPTS)]
+            data = base64.b64decode(url.split(",", 1)[1])
+            by_grpc = stub.GenerateUnary(
+                gateway_pb2.GenerateRequest(
+                    images=[pb.Image(data=data)], prompt=prompt, sampling=pb.SamplingParams(max_tokens=8)
+                ),
+                metadata=md,
+                timeout=60,
+            )
+            by_http = c.chat.completions.create(model="demo", messages=ask(url, prompt), max_tokens=8)
+            assert by_http.choices[0].message.content == by_grpc.text, i
+            assert by_http.usage.completion_tokens == by_grpc.usage.output_tokens, i
+            assert by_http.usage.prompt_tokens == by_grpc.usage.prompt_tokens + by_grpc.usage.image_tokens, i
+
+
+def readme_block(marker: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(marker)
+    body = text[text.index("\n", start) + 1 :]
+    return body[: body.index("```")]
+
+
+def test_the_readme_examples_run_as_written(mesh, tmp_path):
+    port = mesh.http_url().split(":")[2].split("/")[0]
+    pic, _ = picture(19)
+    (tmp_path / "cat.png").write_bytes(shapes.encode(pic.image, "PNG"))
+    env = {"PATH": "/usr/bin:/bin", "OPENAI_API_KEY": KEY, "HOME": str(tmp_path)}
+    curl = readme_block("```bash openai-curl").replace("localhost:8000", f"127.0.0.1:{port}")
+    out = subprocess.run(["bash", "-c", curl], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["choices"][0]["message"]["content"] == pic.answer("What is in the image?")
+    code = readme_block("```python openai-client").replace("localhost:8000", f"127.0.0.1:{port}")
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert pic.answer("What shape is it?") in out.stdout
+
+
+def test_the_mesh_still_serves_after_all_that(client):
+    pic, url = picture(20)
+    start = time.monotonic()
+    r = client.chat.completions.create(model="demo", messages=ask(url, "What shape is it?"))
+    assert r.choices[0].message.content == pic.answer("What shape is it?") and time.monotonic() - start < 30
