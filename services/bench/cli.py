@@ -251,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         if any(a != b for a, b in pairs):
             say("the mesh and vLLM answer differently: they would not be doing the same work; stopping")
             return 1
+    if {"mesh", "mesh-http"} <= set(targets) and (args.feature_cache_mib or args.prefix_cache):
+        say(
+            "mesh and mesh-http run one after the other on one mesh: with its caches on, the second door hits "
+            "what the first cached (--feature-cache-mib 0 --no-prefix-cache compares the doors alone)"
+        )
     runs, records = [], {}
     for group in groups(targets):
         with serve(group[0], args, say, http="mesh-http" in group) as (endpoints, pids):
