@@ -114,6 +114,32 @@ def test_max_tokens_ends_with_length(client):
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
 
 
+def test_stop_strings_and_seeded_sampling(client):
+    pic, url = picture(21)
+    prompt = "What is in the image?"  # "a <color> <shape>"
+    r = client.chat.completions.create(model="demo", messages=ask(url, prompt), stop=[" "], max_tokens=8)
+    assert r.choices[0].message.content == pic.answer(prompt).split(" ")[0] and r.choices[0].finish_reason == "stop"
+    sampled = [
+        client.chat.completions.create(
+            model="demo", messages=ask(url, prompt), temperature=1.5, top_p=0.9, seed=seed, max_tokens=6
+        )
+        .choices[0]
+        .message.content
+        for seed in (7, 7, 8)
+    ]
+    assert sampled[0] == sampled[1]  # the same seed, the same tokens
+
+
+def test_a_class_above_the_tenants_is_a_permission_error(mesh):
+    _, url = picture(22)
+    with openai.OpenAI(base_url=mesh.http_url(), api_key="sk-once", max_retries=0) as c:
+        with pytest.raises(openai.PermissionDeniedError) as err:
+            c.chat.completions.create(
+                model="demo", messages=ask(url, "What shape is it?"), extra_headers={"qos-level": "realtime"}
+            )
+    assert "may use qos-level standard or lower" in err.value.message
+
+
 def test_a_wrong_key_is_an_authentication_error(mesh):
     _, url = picture(13)
     with openai.OpenAI(base_url=mesh.http_url(), api_key="sk-wrong", max_retries=0) as c:
