@@ -64,6 +64,10 @@ HANDOFF_FALLBACKS = Counter(
     "vlmesh_handoff_fallbacks_total", "Hand-offs that fell back from the consumer's preferred transport", ["to"]
 )
 ARENA_SLOTS = Gauge("vlmesh_arena_slots", "Feature arena slots", ["arena", "state"])
+# An info metric (always 1): join it on the instance to label any series by model and variant.
+MODEL_INFO = Gauge(
+    "vlmesh_model_info", "The model and variant a server serves (value 1)", ["service", "model", "variant"]
+)
 KV_SLOTS = Gauge("vlmesh_kv_slots", "Batch places of the llm engine (running sequences)", ["state"])
 KV_PAGES = Gauge("vlmesh_kv_pages", "Pages of the llm engine's paged KV pool", ["state"])
 PREFIX_TOKENS = Counter(

@@ -74,6 +74,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 self._llm_info = await self.llm.Info(pb.InfoRequest(), timeout=5)
             except grpc.RpcError as err:
                 raise Unavailable(f"llm service is not reachable: {err.code().name}") from err
+            metrics.MODEL_INFO.labels("gateway", self._llm_info.model_id, self._llm_info.variant).set(1)
         return self._llm_info
 
     @rpc.unary

@@ -1,4 +1,5 @@
-"""Weighted routing between model variants: one description, rendered as a local Envoy's config.
+"""Weighted routing between model variants: one description, rendered as a local Envoy's config
+here and as Istio's VirtualService and DestinationRule in services/launcher/istio.py (deploy/).
 
 A variant is a set of workers (vision, llm and their gateway) serving one quantization of one
 checkpoint. Requests are split between variants by weight; a request that names a variant in
@@ -97,20 +98,36 @@ def _cluster(name: str, priorities: Sequence[Sequence[tuple[str, int]]]) -> dict
             }
         ],
         "outlier_detection": {
-            "consecutive_5xx": 5,
-            "consecutive_gateway_failure": 3,
-            "consecutive_local_origin_failure": 2,
+            "consecutive_5xx": OUTLIER.consecutive_5xx,
+            "consecutive_gateway_failure": OUTLIER.consecutive_gateway_errors,
+            "consecutive_local_origin_failure": OUTLIER.consecutive_local_origin_failures,
             "split_external_local_origin_errors": True,
-            "interval": "1s",
-            "base_ejection_time": "10s",
-            "max_ejection_percent": 100,
+            "interval": f"{OUTLIER.interval_s}s",
+            "base_ejection_time": f"{OUTLIER.base_ejection_s}s",
+            "max_ejection_percent": OUTLIER.max_ejection_percent,
         },
     }
 
 
+@dataclass(frozen=True)
+class Outlier:
+    """When a gateway is ejected from its variant's pool: Envoy's and Istio's settings alike."""
+
+    consecutive_5xx: int = 5
+    consecutive_gateway_errors: int = 3  # 502, 503, 504 and connection failures
+    consecutive_local_origin_failures: int = 2  # connect errors, resets, timeouts
+    interval_s: int = 1
+    base_ejection_s: int = 10
+    max_ejection_percent: int = 100
+
+
+OUTLIER = Outlier()
+# Only what cannot have reached a gateway, so generation never runs twice.
+RETRY_ON = "connect-failure,refused-stream,reset-before-request"
+RETRY_ATTEMPTS = 2
 RETRY_POLICY = {
-    "retry_on": "connect-failure,refused-stream,reset-before-request",
-    "num_retries": 2,
+    "retry_on": RETRY_ON,
+    "num_retries": RETRY_ATTEMPTS,
     "retry_host_predicate": [
         {
             "name": "envoy.retry_host_predicates.previous_hosts",

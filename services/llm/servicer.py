@@ -51,6 +51,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
     ):
         self.engine = engine
         self.variant = variant  # what Info reports, and the gateway names in each answer
+        metrics.MODEL_INFO.labels("llm", spec.model_id, variant).set(1)
         # GPU memory watermarks: best-effort work is refused over the top one (inert on the CPU).
         self.memory = memory or MemoryGuard("llm", None, Watermarks())
         self.spec = spec

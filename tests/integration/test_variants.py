@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from services.llm import config as llm_config
-from tests.helpers import image_bytes
+from tests.helpers import image_bytes, sample, scrape
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -35,6 +35,14 @@ def test_answers_name_their_variant_and_a_pin_to_another_is_not_found(stub):
     assert "'int4' is not served here; this worker serves 'full'" in err.value.details()
     info = stub.Info(pb.InfoRequest(), timeout=5)
     assert info.variant == "full"
+
+
+def test_the_servers_metrics_name_the_model_and_variant(mesh, stub):
+    stub.GenerateUnary(request(), timeout=60)
+    model = stub.Info(pb.InfoRequest(), timeout=5).model_id
+    for name in ("gateway", "llm"):
+        series = f'vlmesh_model_info{{model="{model}",service="{name}",variant="full"}}'
+        assert sample(scrape(mesh.metrics_ports[name]), series) == 1.0, name
 
 
 def test_the_variant_name_is_derived_or_given_and_checked():

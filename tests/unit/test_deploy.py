@@ -1,0 +1,190 @@
+"""deploy/ with the real tools, offline: kustomize builds every overlay, kubernetes-validate passes
+the output strictly for Kubernetes 1.32, the Istio objects validate against cloudcoil's models
+with no field those models would ignore, and the weights, subsets and labels agree across the
+VirtualService, the DestinationRule, the Deployments and the local Envoy's config."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import types
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.launcher.istio import VARIANT_LABEL, percents, render
+from services.launcher.routing import RUNTIME_PREFIX, envoy_config, parse_variants
+from tests.helpers import ROOT
+
+DEPLOY = ROOT / "deploy"
+VARIANTS = parse_variants((DEPLOY / "variants.txt").read_text().strip())
+BUILDS = ["deploy", *(f"deploy/overlays/{v.name}" for v in VARIANTS), "deploy/mesh"]
+
+
+def tool(name: str) -> str:
+    found = shutil.which(name) or shutil.which(str(Path(sys.executable).parent / name))
+    if found is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{name} is needed in CI")
+        pytest.skip(f"{name} is not installed")
+    return found
+
+
+def kustomize(path: str) -> list[dict]:
+    out = subprocess.run([tool("kubectl"), "kustomize", str(ROOT / path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def everything() -> list[dict]:
+    return kustomize("deploy")
+
+
+@pytest.mark.parametrize("path", BUILDS)
+def test_kustomize_builds_and_kubernetes_validate_passes_strictly(path, tmp_path):
+    docs = kustomize(path)
+    out = tmp_path / "out.yaml"
+    out.write_text(yaml.safe_dump_all(docs))
+    check = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "-k", "1.32.0", "--quiet", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_kubernetes_validate_catches_a_field_that_does_not_exist(tmp_path):
+    """The strict check is a real one: a misspelt field in a Deployment fails it."""
+    (deployment,) = [d for d in kustomize(f"deploy/overlays/{VARIANTS[0].name}") if d["kind"] == "Deployment"]
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    out = tmp_path / "bad.yaml"
+    out.write_text(yaml.safe_dump(deployment))
+    check = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", "1.32.0", str(out)], capture_output=True)
+    assert check.returncode != 0
+
+
+def _models(annotation) -> list[type]:
+    """The pydantic models an annotation allows (through Optional, list, dict, unions)."""
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    out = []
+    for arg in typing.get_args(annotation):
+        out += _models(arg)
+    return out
+
+
+def unknown_fields(model: type, data, path: str = "") -> list[str]:
+    """Keys of `data` that `model` does not define (cloudcoil's models ignore them silently)."""
+    if isinstance(data, list):
+        return [u for i, item in enumerate(data) for u in unknown_fields(model, item, f"{path}[{i}]")]
+    if not isinstance(data, dict):
+        return []
+    fields = {(f.alias or name): f.annotation for name, f in model.model_fields.items()}
+    if not fields:  # a free-form map
+        return []
+    bad = []
+    for key, value in data.items():
+        if key not in fields:
+            bad.append(f"{path}.{key}")
+            continue
+        annotation = fields[key]
+        origin = typing.get_origin(annotation)
+        if origin in (dict, typing.Dict) or (  # noqa: UP006
+            origin in (typing.Union, types.UnionType)
+            and any(typing.get_origin(a) is dict for a in typing.get_args(annotation))
+        ):
+            values = value.values() if isinstance(value, dict) else []
+            candidates = _models(annotation)
+            for v in values:
+                if candidates:
+                    bad += min((unknown_fields(c, v, f"{path}.{key}") for c in candidates), key=len)
+            continue
+        candidates = _models(annotation)
+        if candidates:
+            bad += min((unknown_fields(c, value, f"{path}.{key}") for c in candidates), key=len)
+    return bad
+
+
+def test_the_istio_objects_validate_against_cloudcoils_models_with_no_unknown_field(everything):
+    from cloudcoil.models.istio.networking import v1
+
+    istio = [d for d in everything if d["apiVersion"].startswith("networking.istio.io/")]
+    assert sorted(d["kind"] for d in istio) == ["DestinationRule", "VirtualService"]
+    for doc in istio:
+        model = getattr(v1, doc["kind"])
+        model.model_validate(doc)
+        assert unknown_fields(model, doc) == [], doc["kind"]
+    # The unknown-field check is a real one.
+    bad = {**istio[0], "spec": {**istio[0]["spec"], "trafficPolicyy": {}}}
+    assert unknown_fields(getattr(v1, bad["kind"]), bad) == [".spec.trafficPolicyy"]
+    (vs,) = [d for d in istio if d["kind"] == "VirtualService"]
+    deep = yaml.safe_load(yaml.safe_dump(vs))
+    deep["spec"]["http"][-1]["route"][0]["destination"]["subsett"] = "x"
+    assert unknown_fields(v1.VirtualService, deep) == [".spec.http[2].route[0].destination.subsett"]
+
+
+def test_the_committed_istio_yaml_is_what_variants_txt_renders():
+    text = (DEPLOY / "variants.txt").read_text()
+    assert (DEPLOY / "mesh" / "istio.yaml").read_text() == render(text), (
+        "deploy/mesh/istio.yaml is stale: "
+        "python -m services.launcher.istio deploy/variants.txt > deploy/mesh/istio.yaml"
+    )
+
+
+def test_weights_subsets_and_labels_agree_everywhere(everything):
+    names = [v.name for v in VARIANTS]
+    by_kind: dict[str, list[dict]] = {}
+    for doc in everything:
+        by_kind.setdefault(doc["kind"], []).append(doc)
+    # The top kustomization deploys every variant of variants.txt, and only those.
+    top = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    assert sorted(r for r in top["resources"] if r.startswith("overlays/")) == sorted(f"overlays/{n}" for n in names)
+    # Deployments: one per variant, its pods labelled for the subset, its llm quantized for it.
+    deployments = {d["metadata"]["name"]: d for d in by_kind["Deployment"]}
+    assert sorted(deployments) == sorted(f"vlmesh-worker-{n}" for n in names)
+    for v in VARIANTS:
+        pod = deployments[f"vlmesh-worker-{v.name}"]["spec"]["template"]
+        assert pod["metadata"]["labels"][VARIANT_LABEL] == v.name
+        llm = next(c for c in pod["spec"]["containers"] if c["name"] == "llm")
+        args = llm["args"]
+        assert args[args.index("--quantize") + 1] == v.quantize and args[args.index("--variant") + 1] == v.name
+    # DestinationRule: a subset per variant, selecting exactly those pods.
+    (rule,) = by_kind["DestinationRule"]
+    assert {s["name"]: s["labels"] for s in rule["spec"]["subsets"]} == {n: {VARIANT_LABEL: n} for n in names}
+    # VirtualService: a pin per variant, then the weights.
+    (service,) = by_kind["VirtualService"]
+    routes = service["spec"]["http"]
+    pins = {
+        r["match"][0]["headers"]["x-model-variant"]["exact"]: r["route"][0]["destination"]["subset"]
+        for r in routes[:-1]
+    }
+    assert pins == {n: n for n in names}
+    weights = {d["destination"]["subset"]: d["weight"] for d in routes[-1]["route"]}
+    assert weights == percents(VARIANTS) and sum(weights.values()) == 100
+    # The local Envoy, from the same description: the same split, the same pins.
+    gateways = {n: ("127.0.0.1", 50000 + i) for i, n in enumerate(names)}
+    envoy = envoy_config(VARIANTS, gateways, ("127.0.0.1", 1), ("127.0.0.1", 2))
+    layer = envoy["layered_runtime"]["layers"][0]["static_layer"]
+    total = sum(v.weight for v in VARIANTS)
+    for v in VARIANTS:
+        assert layer[f"{RUNTIME_PREFIX}.variant-{v.name}"] == v.weight
+        assert abs(100 * v.weight / total - weights[v.name]) < 1
+    # The Service reaches every variant's pods (the subsets choose among them).
+    (svc,) = by_kind["Service"]
+    for d in deployments.values():
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert all(labels.get(k) == val for k, val in svc["spec"]["selector"].items())
+
+
+def test_percents_add_up_to_100():
+    assert percents(parse_variants("full=70,int8=30")) == {"full": 70, "int8": 30}
+    assert percents(parse_variants("full=1,int8=1,int4=1")) == {"full": 34, "int8": 33, "int4": 33}
+    assert sum(percents(parse_variants("full=2,int8=7")).values()) == 100
