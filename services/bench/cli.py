@@ -83,7 +83,8 @@ def server_cpu_s(pids: list[int]) -> float:
 
 
 async def run_target(name: str, args, workloads, rates, qos_mix, tokenizer, endpoints: dict, pids: list[int]):
-    from services.bench.targets import HfTarget, InprocessTarget, MeshTarget, OpenAiTarget
+    from services.bench.http_target import OpenAiTarget
+    from services.bench.targets import HfTarget, InprocessTarget, MeshTarget
 
     if name == "mesh":
         target = MeshTarget(endpoints["mesh"], args.api_key)
@@ -135,7 +136,8 @@ async def same_answers(
     endpoints: dict, factory: RequestFactory, n: int, api_key: str | None = None
 ) -> list[tuple[str, str]]:
     """The first n requests, one at a time, to the mesh and to the peer: their answers."""
-    from services.bench.targets import MeshTarget, OpenAiTarget
+    from services.bench.http_target import OpenAiTarget
+    from services.bench.targets import MeshTarget
 
     mesh, peer = MeshTarget(endpoints["mesh"], api_key), OpenAiTarget(f"{endpoints['vllm']}/v1", "vllm", "peer")
     try:

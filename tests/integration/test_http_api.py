@@ -318,6 +318,19 @@ def test_the_readme_examples_run_as_written(mesh, tmp_path):
     assert pic.answer("What shape is it?") in out.stdout
 
 
+def test_the_bench_measures_both_doors_of_one_mesh(mesh, tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "services.cli", "bench", "--model", str(DEMO), "--gateway", mesh.target("gateway")]
+    cmd += ["--gateway-http", mesh.http_url(), "--target", "mesh,mesh-http", "--api-key", KEY]
+    cmd += ["--rates", "3", "--duration", "3", "--warmup", "0.5", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = {r["target"]: r["summary"] for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert sorted(runs) == ["mesh", "mesh-http"]
+    for s in runs.values():
+        assert s["statuses"].get("OK") == s["sent"] > 0 and s["lost"] == 0
+
+
 def test_the_mesh_still_serves_after_all_that(client):
     pic, url = picture(20)
     start = time.monotonic()
