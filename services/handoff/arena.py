@@ -6,13 +6,18 @@ shared-memory segment named by the arena id. Layout (little endian):
     [0, 64)            magic "VLMARENA", version, location (0 host, 1 CUDA), slot_bytes,
                        n_slots, data_offset, heartbeat (float64, CLOCK_MONOTONIC seconds)
     [64, 64 + 16 n)    lease table: per slot (uint64 lease id, float64 expiry); id 0 = free
+                       (these and the heartbeat in the host's byte order: it never leaves the host)
     [data_offset, ...) slot data, for host arenas only (CUDA arenas keep it on the device)
 
 The producer alone writes the header and unlinks the segment. A consumer attaches once
 per arena and checks every reference against it: the offset must be a slot start, the
 size must fit, the slot's lease id must be the reference's (before and after the copy,
 a seqlock) with time left before its expiry, and the heartbeat must be fresh, which tells
-a live producer from one that died (its memory may be gone).
+a live producer from one that died (its memory may be gone). Those 8-byte fields are read and
+written as whole words (`_Words`), never with struct: `struct.pack_into` zero-fills a field
+before it writes it, and a reader could see a lease id or an expiry of 0 while a share rewrites
+the same values (a spurious "stale" or "about to expire", about once in a thousand reads of a
+busy cached slot).
 
 The heartbeat and the expiries are the producer's CLOCK_MONOTONIC readings. A consumer
 compares them with its own clock only as a fast path: when a beat looks stale it watches for
@@ -54,15 +59,42 @@ def align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-# One lease-table entry. Read with struct, not numpy: a structured-array lookup costs about
-# 12 us against 3 us, and a hand-off checks its lease twice.
-_ENTRY = struct.Struct("<Qd")  # lease id, expiry
-_ID = struct.Struct("<Q")
-_EXPIRES = struct.Struct("<d")
+_ENTRY = struct.Struct("<Qd")  # one lease-table entry: lease id, expiry (its size and layout)
 
 
 def _entry_offset(slot: int) -> int:
     return _TABLE_OFFSET + _ENTRY.size * slot
+
+
+class _Words:
+    """The header's 8-byte fields as whole words: each load and store is one copy of 8 aligned
+    bytes (memoryview items), so a reader sees a field's old value or its new one."""
+
+    HEARTBEAT = _HEARTBEAT_OFFSET // 8
+
+    def __init__(self, buf: memoryview) -> None:
+        self.u64 = buf.cast("Q")
+        self.f64 = buf.cast("d")
+
+    @staticmethod
+    def id_index(slot: int) -> int:
+        return _entry_offset(slot) // 8
+
+    def entry(self, slot: int) -> tuple[int, float]:
+        """(lease id, expiry) of a slot: the id first, as the writer's order needs."""
+        i = self.id_index(slot)
+        return self.u64[i], self.f64[i + 1]
+
+    def release(self) -> None:
+        self.u64.release()
+        self.f64.release()
+
+
+def _release_words(owner: object) -> None:
+    """Before an owner's segment closes (or is collected): the words' exports hold it open."""
+    words = getattr(owner, "_words", None)
+    if words is not None:
+        words.release()
 
 
 class ArenaTable:
@@ -79,21 +111,23 @@ class ArenaTable:
         self.shm = shared_memory.SharedMemory(create=True, size=size)
         self.name = self.shm.name
         self.leases = LeaseTable(n_slots, ttl_s, keep_limit)
-        # Held across a lease change and its header write (share, release, reap): a share that
-        # published an idle kept slot again must not be wiped by the clear of the release that
-        # made it idle, which would fail its reader as stale.
+        # Held across every lease change and its header write (acquire, share, publish, release,
+        # reap), so that the header's entries change in the table's order. Else a release's clear,
+        # late, wipes what came after it: the entry published by a share of the slot it made idle,
+        # or by a write to the slot it freed, and that reader fails as stale.
         self._header_lock = threading.Lock()
         _HEADER.pack_into(
             self.shm.buf, 0, MAGIC, VERSION, location, self.slot_bytes, n_slots, self.data_offset, time.monotonic()
         )
         self.shm.buf[_TABLE_OFFSET : _TABLE_OFFSET + _ENTRY.size * n_slots] = bytes(_ENTRY.size * n_slots)
+        self._words = _Words(self.shm.buf)
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name=f"arena-heartbeat-{self.name}", daemon=True)
         self._beat.start()
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_PERIOD_S):
-            struct.pack_into("<d", self.shm.buf, _HEARTBEAT_OFFSET, time.monotonic())
+            self._words.f64[_Words.HEARTBEAT] = time.monotonic()
 
     def slot_offset(self, slot: int) -> int:
         """Byte offset of a slot's data (in the segment for host arenas, in the allocation for CUDA)."""
@@ -108,8 +142,9 @@ class ArenaTable:
         """A fresh lease on a slot about to be written. Its header entry is cleared first: the slot
         may have been kept (evicted just now, or before), and no reference to what it held may
         validate while it is overwritten."""
-        lease = self.leases.acquire()
-        self._clear(lease.slot)
+        with self._header_lock:
+            lease = self.leases.acquire()
+            self._clear(lease.slot)
         return lease
 
     def share(self, key: bytes) -> tuple[Lease, int] | None:
@@ -118,17 +153,21 @@ class ArenaTable:
         with self._header_lock:
             found = self.leases.find(key)
             if found is not None:
-                self.publish(found[0])
+                self._publish(found[0])
         return found
 
     def publish(self, lease: Lease) -> None:
         """Make a written slot readable: its lease id goes in only after the data."""
-        at = _entry_offset(lease.slot)
-        _EXPIRES.pack_into(self.shm.buf, at + _ID.size, lease.expires_at)
-        _ID.pack_into(self.shm.buf, at, lease.id)
+        with self._header_lock:
+            self._publish(lease)
+
+    def _publish(self, lease: Lease) -> None:
+        i = _Words.id_index(lease.slot)
+        self._words.f64[i + 1] = lease.expires_at  # the expiry first: a reader that sees the id sees it
+        self._words.u64[i] = lease.id
 
     def _clear(self, slot: int) -> None:
-        _ID.pack_into(self.shm.buf, _entry_offset(slot), 0)
+        self._words.u64[_Words.id_index(slot)] = 0
 
     def release(self, reader: int) -> bool:
         """Drop one reference to a lease; False when none was held (released, expired, forged, or another arena's)."""
@@ -152,8 +191,12 @@ class ArenaTable:
         """Stop the heartbeat and unlink the header segment (the owner alone unlinks)."""
         self._stop.set()
         self._beat.join(timeout=2)
+        _release_words(self)
         self.shm.close()
         self.shm.unlink()
+
+    def __del__(self) -> None:
+        _release_words(self)
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -188,6 +231,7 @@ class ArenaView:
                 f"feature arena {name!r} has layout version {version}, this process reads {VERSION}"
             )
         self.name = name
+        self._words = _Words(self.shm.buf)
         self._skew = 0.0  # this process's clock minus the producer's, learned from a moving beat
         self._still_beat: float | None = None  # a beat that was watched and did not move
 
@@ -196,7 +240,7 @@ class ArenaView:
         return time.monotonic() - self._skew
 
     def _beat(self) -> float:
-        return struct.unpack_from("<d", self.shm.buf, _HEARTBEAT_OFFSET)[0]
+        return self._words.f64[_Words.HEARTBEAT]
 
     def check_alive(self) -> None:
         """UNAVAILABLE unless the producer's heartbeat is fresh, or moves while it is watched."""
@@ -235,7 +279,7 @@ class ArenaView:
     def check(self, slot: int, lease_id: int, margin_s: float = EXPIRY_MARGIN_S) -> None:
         """The lease is live and the producer too; else FAILED_PRECONDITION or UNAVAILABLE."""
         self.check_alive()
-        held_by, expires = _ENTRY.unpack_from(self.shm.buf, _entry_offset(slot))
+        held_by, expires = self._words.entry(slot)
         if lease_id == 0 or held_by != lease_id:
             raise FailedPrecondition("tensor reference is stale: its lease was released, expired or never issued")
         if expires - self._producer_now() < margin_s:
@@ -243,10 +287,14 @@ class ArenaView:
 
     def close(self) -> None:
         """Detach from the segment (never unlink: the producer owns it)."""
+        _release_words(self)
         try:
             self.shm.close()
         except BufferError:
             pass  # a view is still alive; the mapping goes with the process
+
+    def __del__(self) -> None:
+        _release_words(self)
 
 
 class ArenaViews:

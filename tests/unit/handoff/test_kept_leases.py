@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -126,5 +128,78 @@ def test_a_share_racing_the_last_release_stays_readable(monkeypatch):
         finally:
             view.close()
         assert arena.release(readers[0]) is True
+    finally:
+        arena.close()
+
+
+def test_a_slot_freed_and_taken_at_once_keeps_its_new_entry(monkeypatch):
+    """A release that frees a slot clears its entry; a write that takes the freed slot at once
+    publishes a new one. The new entry must survive the old release's clear."""
+    arena = ShmArena(slot_bytes=256, n_slots=1, ttl_s=30)
+    try:
+        old, offset = arena.write(torch.ones(64))
+        clear = arena._clear
+        fresh: list = []
+        writers: list[threading.Thread] = []
+
+        def write_in_the_window(slot: int) -> None:
+            # Another request's write, started after the table freed the slot and before its entry
+            # is cleared; given 0.2 s, it completes in the window unless it must wait.
+            monkeypatch.setattr(arena, "_clear", clear)
+            t = threading.Thread(target=lambda: fresh.append(arena.write(torch.full((64,), 2.0))))
+            t.start()
+            t.join(timeout=0.2)
+            clear(slot)
+            writers.append(t)
+
+        monkeypatch.setattr(arena, "_clear", write_in_the_window)
+        assert arena.release(old.id) is True
+        writers[0].join(timeout=5)
+        ((new, new_offset),) = fresh
+        assert new_offset == offset
+        view = ArenaView(arena.name)
+        try:
+            assert read_host(view, offset, 256, new.id, torch.float32, [64]).sum() == 128
+        finally:
+            view.close()
+    finally:
+        arena.close()
+
+
+READER = """
+import sys, time
+from services.handoff.arena import ArenaView
+view = ArenaView(sys.argv[1])
+want, bad, reads, stop = int(sys.argv[2]), 0, 0, time.monotonic() + float(sys.argv[3])
+print("ready", flush=True)
+while time.monotonic() < stop:
+    held, expires = view._words.entry(1)
+    reads += 1
+    bad += held != want or expires < 1.0
+print(reads, bad, flush=True)
+view.close()
+"""
+
+
+def test_a_reader_in_another_process_never_sees_a_half_written_entry():
+    """A share rewrites a kept slot's entry with the same id and a later expiry, over and over;
+    a reader in another process (truly parallel) must see the id and a real expiry every time.
+    (struct.pack_into zero-fills a field before writing it: that reader saw id 0 or expiry 0.)"""
+    arena = ShmArena(slot_bytes=256, n_slots=2, ttl_s=30, keep_limit=2)
+    try:
+        arena.write(torch.zeros(64))
+        lease, _ = arena.write(torch.ones(64))
+        assert lease.slot == 1
+        arena.leases.keep(lease.id, b"a")
+        reader = subprocess.Popen(
+            [sys.executable, "-c", READER, arena.name, str(lease.id), "1.5"], stdout=subprocess.PIPE, text=True
+        )
+        assert reader.stdout.readline().strip() == "ready"
+        stop = time.monotonic() + 1.5
+        while time.monotonic() < stop:
+            arena.publish(lease)  # what each share does
+            lease.expires_at += 1e-6
+        reads, bad = map(int, reader.communicate(timeout=30)[0].split())
+        assert reads > 1000 and bad == 0, (reads, bad)
     finally:
         arena.close()
