@@ -31,9 +31,28 @@ GRPC_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 )
+# The mesh's own calls (gateway -> vision, llm; llm -> vision) ping their peer every second and
+# give up on a connection whose pings go unanswered for a second: a stalled peer (SIGSTOP, a
+# hung process) fails its calls with UNAVAILABLE within about 2 s, as a dead one does at once.
+KEEPALIVE_MS = 1000
+INTERNAL_OPTIONS = (
+    *GRPC_OPTIONS,
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_MS),  # grpcio >= 1.6x times a ping out here (60 s by default)
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
 # grpcio binds servers with SO_REUSEPORT unless told not to, and a second server on a busy port
 # then starts without error and takes half its connections. No port sharing: a busy port fails.
-SERVER_OPTIONS = (*GRPC_OPTIONS, ("grpc.so_reuseport", 0))
+# Servers accept those pings (by default a ping more often than every 5 min is a strike).
+SERVER_OPTIONS = (
+    *GRPC_OPTIONS,
+    ("grpc.so_reuseport", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+)
 
 
 class PortInUse(OSError):

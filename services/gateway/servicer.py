@@ -21,7 +21,7 @@ from services.common.errors import InvalidArgument, MeshError, NotFound, Unavail
 from services.common.logs import request_context
 from services.common.qos import QosLevel, metadata_value, qos_from_metadata, qos_metadata
 from services.common.sampling import Sampling
-from services.common.server import GRPC_OPTIONS
+from services.common.server import INTERNAL_OPTIONS
 from services.common.timings import Timings
 from services.common.validation import check_conversation, check_images, check_sampling
 from services.gateway.access_log import AccessLog, Entry
@@ -58,10 +58,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.admission = Admission(admission or AdmissionConfig())
         interceptors = telemetry.client_interceptors()  # W3C trace context into the metadata
         self.vision = vision_pb2_grpc.VisionStub(
-            grpc.aio.insecure_channel(vision_target, options=GRPC_OPTIONS, interceptors=interceptors)
+            grpc.aio.insecure_channel(vision_target, options=INTERNAL_OPTIONS, interceptors=interceptors)
         )
         self.llm = llm_pb2_grpc.LlmStub(
-            grpc.aio.insecure_channel(llm_target, options=GRPC_OPTIONS, interceptors=interceptors)
+            grpc.aio.insecure_channel(llm_target, options=INTERNAL_OPTIONS, interceptors=interceptors)
         )
         self.max_images = max_images
         self._llm_info: pb.ServiceInfo | None = None

@@ -2,7 +2,8 @@
 
 from services.launcher.cli import build_parser, options_from_args, up
 from services.launcher.ports import MeshError, PortBusy, check_ports, free_port
-from services.launcher.supervisor import Child, Mesh, MeshOptions, health_status, warmup_images
+from services.launcher.supervisor import Child, Mesh, MeshOptions, health_status
+from services.launcher.warmup import warmup_images
 
 __all__ = [
     "Child",

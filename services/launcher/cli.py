@@ -24,8 +24,9 @@ from services.gateway.config import GatewayConfig
 from services.launcher.ports import MeshError, PortBusy, check_ports
 from services.launcher.process import Stopped, signals_ignored, stop_on_signals
 from services.launcher.routing import parse_variants
-from services.launcher.supervisor import Mesh, MeshOptions, warmup_images
+from services.launcher.supervisor import Mesh, MeshOptions
 from services.launcher.variants import VariantMesh, envoy_binary
+from services.launcher.warmup import warmup_images
 from services.llm import config as llm_config
 from services.llm.config import LlmConfig
 from services.vision import config as vision_config
@@ -189,7 +190,7 @@ def up(argv: list[str] | None = None) -> int:
                 http = f"; OpenAI-compatible HTTP on {mesh.http_url()}" if mesh.http_port else ""
                 print(f"gateway ready on {mesh.target('gateway')}{http}", flush=True)
             ready = True
-            mesh.wait()
+            mesh.wait(_say)
             _say("stopping")
             return 0
         except PortBusy as err:

@@ -13,7 +13,6 @@ the vision's from there when it first needs it, and the gateway starts once both
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import secrets
 import signal
@@ -22,20 +21,20 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from services.common.config import WARMUP_KEY_ENV
 from services.common.flags import flag, to_argv
 from services.gateway.config import GatewayConfig
 from services.launcher.ports import MeshError, RunDir, check_ports
 from services.launcher.process import signals_held, spawn
+from services.launcher.restarts import TICK_S, Watch, health_status
+from services.launcher.warmup import warmup_images
 from services.llm.config import LlmConfig
 from services.vision.config import VisionConfig
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 # The launcher's own API key for its warm-up requests, made per run and given to the gateway in
 # this environment variable only (a command line is visible to every user through `ps`).
 
@@ -72,6 +71,16 @@ class MeshOptions:
         "--envoy-admin-port",
         default=9901,
         help="with --variants: Envoy's admin port; `vlmesh route` changes the weights there (default %(default)s)",
+    )
+    restarts: int = flag(
+        "--restarts",
+        default=5,
+        help="restart a vision, llm or gateway that dies or stalls, at most this many times within "
+        "--restart-window-s (backoff 0.5 s doubling to 8 s); past that, or with 0, a death stops the mesh "
+        "(default %(default)s)",
+    )
+    restart_window_s: float = flag(
+        "--restart-window-s", default=300.0, help="the window --restarts counts in (default %(default)s s)"
     )
     start_timeout_s: float = 180.0
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -127,7 +136,12 @@ class Mesh:
         return f"{host}:{self.ports[name]}" if self.ports[name] else f"a free port of {host}"
 
     def _spawn(self, name: str, cfg: GatewayConfig | VisionConfig | LlmConfig) -> Child:
-        server = dataclasses.replace(cfg.server, port=self.ports[name], port_file=str(self._run.port_file(name)))
+        # The ports it has (a restarted child takes the ones it had bound) and a fresh port file.
+        port_file = self._run.port_file(name)
+        port_file.unlink(missing_ok=True)
+        server = dataclasses.replace(
+            cfg.server, port=self.ports[name], metrics_port=self.metrics_ports[name], port_file=str(port_file)
+        )
         cmd = [sys.executable, "-m", f"services.{name}", *to_argv(dataclasses.replace(cfg, server=server))]
         env = {k: v for k, v in os.environ.items() if k != WARMUP_KEY_ENV}
         env.update(self.opts.extra_env)
@@ -191,12 +205,22 @@ class Mesh:
             f"vision ({self.target('vision')}) and llm ({self.target('llm')}) are healthy; "
             f"starting gateway on {self._where('gateway')}"
         )
-        gateway = self._spawn(
-            "gateway",
-            dataclasses.replace(o.gateway, vision_target=self.target("vision"), llm_target=self.target("llm")),
-        )
+        gateway = self._spawn("gateway", self._gateway_config())
         self._wait_healthy([gateway], deadline)
         self.warm_up(progress)
+
+    def _gateway_config(self) -> GatewayConfig:
+        return dataclasses.replace(
+            self.opts.gateway, vision_target=self.target("vision"), llm_target=self.target("llm")
+        )
+
+    def respawn(self, child: Child) -> Child:
+        """Start a dead child again, on the ports it had, and wait until it serves (MeshError if not)."""
+        self.children.remove(child)
+        configs = {"vision": self.opts.vision, "llm": self._llm_config(), "gateway": self._gateway_config()}
+        new = self._spawn(child.name, configs[child.name])
+        self._wait_healthy([new], time.monotonic() + self.opts.start_timeout_s)
+        return new
 
     def warm_up(self, progress=print) -> None:
         from services.client import build_request
@@ -226,8 +250,10 @@ class Mesh:
                     ) from err
         progress(f"warm-up done in {time.perf_counter() - start:.1f}s")
 
-    def wait(self) -> None:
-        """Block until a child dies (raises MeshError) or a signal arrives (returns)."""
+    def wait(self, progress=print) -> None:
+        """Serve until SIGINT or SIGTERM (returns), restarting children that die or stall
+        (services/launcher/restarts.py); MeshError when one is in trouble with no restart left."""
+        watch = Watch(self, self.opts.restarts, self.opts.restart_window_s, progress)
         stop = {"flag": False}
 
         def on_signal(signum, frame):
@@ -236,8 +262,8 @@ class Mesh:
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             while not stop["flag"]:
-                self.check_alive()
-                time.sleep(0.2)
+                watch.poll()
+                time.sleep(TICK_S)
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
@@ -267,32 +293,3 @@ class Mesh:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def health_status(target: str, timeout: float = 1.0) -> int:
-    try:
-        with grpc.insecure_channel(target) as channel:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-            return resp.status
-    except grpc.RpcError:
-        return health_pb2.HealthCheckResponse.UNKNOWN
-
-
-def warmup_images(directory: str | None, scratch: Path | None = None) -> list[Path]:
-    """Images from --warmup-images DIR (MeshError when it has none); without DIR, one synthetic
-    picture written into `scratch`, the mesh's temporary directory (without one: none)."""
-    if directory:
-        root = Path(directory)
-        found = sorted(p for p in root.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES) if root.is_dir() else []
-        if not found:
-            raise MeshError(f"--warmup-images {directory}: no image files there")
-        return found
-    if scratch is None:
-        return []
-    from PIL import Image
-
-    path = scratch / "warmup.png"
-    buf = io.BytesIO()
-    Image.new("RGB", (224, 224), (230, 230, 230)).save(buf, format="PNG")
-    path.write_bytes(buf.getvalue())
-    return [path]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from services.launcher.ports import MeshError, RunDir, free_port
 from services.launcher.process import signals_held, spawn
+from services.launcher.restarts import TICK_S, Watch
 from services.launcher.routing import Variant, envoy_config, runtime_update
 from services.launcher.supervisor import Mesh, MeshOptions
 
@@ -112,17 +113,22 @@ class VariantMesh:
         """New weights while serving (Envoy's runtime; no restart)."""
         set_weights(f"{self.admin[0]}:{self.admin[1]}", weights)
 
-    def wait(self) -> None:
-        """Block until a child dies (MeshError) or SIGINT/SIGTERM arrives (returns)."""
+    def wait(self, progress: Callable[[str], None] = print) -> None:
+        """Serve until SIGINT/SIGTERM (returns), restarting each worker's children as `Mesh.wait`
+        does; MeshError when one is in trouble with no restart left, or when Envoy exits."""
+        watches = [
+            Watch(mesh, self.opts.restarts, self.opts.restart_window_s, lambda m, n=name: progress(f"{n}: {m}"))
+            for name, mesh in self.meshes.items()
+        ]
         stop = {"flag": False}
         old = {s: signal.signal(s, lambda *_: stop.update(flag=True)) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             while not stop["flag"]:
-                for mesh in self.meshes.values():
-                    mesh.check_alive()
+                for watch in watches:
+                    watch.poll()
                 if self.envoy is not None and self.envoy.poll() is not None:
                     raise MeshError(f"envoy exited with code {self.envoy.returncode}")
-                time.sleep(0.2)
+                time.sleep(TICK_S)
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)

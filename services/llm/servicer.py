@@ -23,6 +23,7 @@ from services.common.errors import InvalidArgument, MeshError, Unavailable
 from services.common.logs import request_context
 from services.common.memory import MemoryGuard, Watermarks
 from services.common.qos import qos_from_metadata
+from services.common.server import INTERNAL_OPTIONS
 from services.common.timings import Timings
 from services.common.validation import check_conversation, check_sampling
 from services.handoff.consumer import Consumer
@@ -189,7 +190,9 @@ class VisionPeer:
             target = self._resolve()
             if target is None:
                 return None
-            channel = grpc.aio.insecure_channel(target, interceptors=telemetry.client_interceptors())
+            channel = grpc.aio.insecure_channel(
+                target, options=INTERNAL_OPTIONS, interceptors=telemetry.client_interceptors()
+            )
             self._stub = vision_pb2_grpc.VisionStub(channel)
             log.info("releasing feature leases to the vision at %s", target)
         return await self._stub.Release(request, timeout=timeout)

@@ -152,12 +152,12 @@ def test_warm_up_passes_tenant_auth_and_leaves_no_files(tiny_model, tmp_path):
 
 
 def test_launcher_names_the_child_that_died(tiny_model):
-    proc, _ = start_up(tiny_model)
+    proc, _ = start_up(tiny_model, "--restarts", "0")
     llm = [pid for pid in children(proc.pid) if "services.llm" in Path(f"/proc/{pid}/cmdline").read_text()]
     assert len(llm) == 1
     os.kill(llm[0], signal.SIGKILL)
     assert proc.wait(timeout=60) != 0
-    assert "the llm process killed by SIGKILL" in proc.stderr.read()
+    assert "the llm process killed by SIGKILL (its log is above); not restarted: --restarts 0" in proc.stderr.read()
 
 
 def test_empty_warmup_directory_is_an_error(tiny_model, tmp_path):
