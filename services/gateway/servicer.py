@@ -11,7 +11,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
 
 import grpc
 
@@ -41,6 +42,17 @@ REFUSAL_REASONS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: "rate_limited",
     grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
 }
+
+
+class CallContext(Protocol):
+    """What `GatewayServicer.run` reads of a request's context: a gRPC ServicerContext, or the
+    HTTP door's HttpCall."""
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str | bytes]] | None: ...
+
+    def time_remaining(self) -> float | None: ...
+
+    async def send_initial_metadata(self, metadata: Sequence[tuple[str, str]]) -> None: ...
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -84,8 +96,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         info.service = "gateway"
         return info
 
-    async def _run(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext, entry: Entry):
-        """Yield GenerateResponse messages; the last one carries usage and timings."""
+    async def run(self, request: gateway_pb2.GenerateRequest, context: CallContext, entry: Entry):
+        """Yield GenerateResponse messages; the last one carries usage and timings. Both doors'
+        path: the gRPC methods below, and the HTTP one (services/gateway/http/app.py)."""
         received = time.perf_counter()
         request_id = entry.request_id = request.request_id[:MAX_REQUEST_ID_CHARS] or uuid.uuid4().hex
         request_context(request_id)
@@ -158,7 +171,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _serve(
         self,
         request: gateway_pb2.GenerateRequest,
-        context: grpc.aio.ServicerContext,
+        context: CallContext,
         request_id: str,
         tenant: Tenant | None,
         qos: QosLevel,
@@ -255,7 +268,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     @rpc.stream
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         with self.access.request("Generate", context) as entry:
-            async for msg in self._run(request, context, entry):
+            async for msg in self.run(request, context, entry):
                 entry.relayed(msg)
                 yield msg
 
@@ -264,7 +277,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         result = gateway_pb2.GenerateResult()
         texts: list[str] = []
         with self.access.request("GenerateUnary", context) as entry:
-            async for msg in self._run(request, context, entry):
+            async for msg in self.run(request, context, entry):
                 entry.relayed(msg)
                 texts.append(msg.text)
                 result.token_ids.extend(msg.token_ids)

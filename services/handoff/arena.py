@@ -14,7 +14,7 @@ per arena and checks every reference against it: the offset must be a slot start
 size must fit, the slot's lease id must be the reference's (before and after the copy,
 a seqlock) with time left before its expiry, and the heartbeat must be fresh, which tells
 a live producer from one that died (its memory may be gone). Those 8-byte fields are read and
-written as whole words (`_Words`), never with struct: `struct.pack_into` zero-fills a field
+written as whole words (`Words`), never with struct: `struct.pack_into` zero-fills a field
 before it writes it, and a reader could see a lease id or an expiry of 0 while a share rewrites
 the same values (a spurious "stale" or "about to expire", about once in a thousand reads of a
 busy cached slot).
@@ -30,71 +30,30 @@ false "stopped"; only a beat that stands still is.
 from __future__ import annotations
 
 import logging
-import struct
 import sys
 import threading
 import time
 from multiprocessing import resource_tracker, shared_memory
 
 from services.common.errors import FailedPrecondition, Unavailable
+from services.handoff.header import (
+    ENTRY,
+    EXPIRY_MARGIN_S,
+    HEADER,
+    HEARTBEAT_PERIOD_S,
+    HEARTBEAT_STALE_S,
+    HOST,
+    MAGIC,
+    TABLE_OFFSET,
+    VERSION,
+    WATCH_S,
+    Words,
+    align,
+    release_words,
+)
 from services.handoff.leases import Lease, LeaseTable
 
 log = logging.getLogger(__name__)
-
-MAGIC = b"VLMARENA"
-VERSION = 2
-HOST, CUDA = 0, 1
-_HEADER = struct.Struct("<8sQQQQQd")  # magic, version, location, slot_bytes, n_slots, data_offset, heartbeat
-_HEARTBEAT_OFFSET = _HEADER.size - 8
-_TABLE_OFFSET = 64
-_ALIGN = 4096
-HEARTBEAT_PERIOD_S = 0.25
-HEARTBEAT_STALE_S = 3.0  # no heartbeat for this long: the producer is gone
-_WATCH_S = 2 * HEARTBEAT_PERIOD_S + 0.1  # how long a stale-looking beat is watched for a move
-EXPIRY_MARGIN_S = 0.5  # refuse a lease this close to expiry: the slot could be reclaimed mid-copy
-
-
-def align(n: int) -> int:
-    """`n` rounded up to a page (slots start on page boundaries)."""
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-_ENTRY = struct.Struct("<Qd")  # one lease-table entry: lease id, expiry (its size and layout)
-
-
-def _entry_offset(slot: int) -> int:
-    return _TABLE_OFFSET + _ENTRY.size * slot
-
-
-class _Words:
-    """The header's 8-byte fields as whole words: each load and store is one copy of 8 aligned
-    bytes (memoryview items), so a reader sees a field's old value or its new one."""
-
-    HEARTBEAT = _HEARTBEAT_OFFSET // 8
-
-    def __init__(self, buf: memoryview) -> None:
-        self.u64 = buf.cast("Q")
-        self.f64 = buf.cast("d")
-
-    @staticmethod
-    def id_index(slot: int) -> int:
-        return _entry_offset(slot) // 8
-
-    def entry(self, slot: int) -> tuple[int, float]:
-        """(lease id, expiry) of a slot: the id first, as the writer's order needs."""
-        i = self.id_index(slot)
-        return self.u64[i], self.f64[i + 1]
-
-    def release(self) -> None:
-        self.u64.release()
-        self.f64.release()
-
-
-def _release_words(owner: object) -> None:
-    """Before an owner's segment closes (or is collected): the words' exports hold it open."""
-    words = getattr(owner, "_words", None)
-    if words is not None:
-        words.release()
 
 
 class ArenaTable:
@@ -105,7 +64,7 @@ class ArenaTable:
         self.slot_bytes = align(slot_bytes)
         self.n_slots = n_slots
         self.location = location
-        header_bytes = align(_TABLE_OFFSET + 16 * n_slots)
+        header_bytes = align(TABLE_OFFSET + 16 * n_slots)
         self.data_offset = header_bytes if location == HOST else 0
         size = header_bytes + (n_slots * self.slot_bytes if location == HOST else 0)
         self.shm = shared_memory.SharedMemory(create=True, size=size)
@@ -116,18 +75,18 @@ class ArenaTable:
         # late, wipes what came after it: the entry published by a share of the slot it made idle,
         # or by a write to the slot it freed, and that reader fails as stale.
         self._header_lock = threading.Lock()
-        _HEADER.pack_into(
+        HEADER.pack_into(
             self.shm.buf, 0, MAGIC, VERSION, location, self.slot_bytes, n_slots, self.data_offset, time.monotonic()
         )
-        self.shm.buf[_TABLE_OFFSET : _TABLE_OFFSET + _ENTRY.size * n_slots] = bytes(_ENTRY.size * n_slots)
-        self._words = _Words(self.shm.buf)
+        self.shm.buf[TABLE_OFFSET : TABLE_OFFSET + ENTRY.size * n_slots] = bytes(ENTRY.size * n_slots)
+        self._words = Words(self.shm.buf)
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name=f"arena-heartbeat-{self.name}", daemon=True)
         self._beat.start()
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_PERIOD_S):
-            self._words.f64[_Words.HEARTBEAT] = time.monotonic()
+            self._words.f64[Words.HEARTBEAT] = time.monotonic()
 
     def slot_offset(self, slot: int) -> int:
         """Byte offset of a slot's data (in the segment for host arenas, in the allocation for CUDA)."""
@@ -162,12 +121,12 @@ class ArenaTable:
             self._publish(lease)
 
     def _publish(self, lease: Lease) -> None:
-        i = _Words.id_index(lease.slot)
+        i = Words.id_index(lease.slot)
         self._words.f64[i + 1] = lease.expires_at  # the expiry first: a reader that sees the id sees it
         self._words.u64[i] = lease.id
 
     def _clear(self, slot: int) -> None:
-        self._words.u64[_Words.id_index(slot)] = 0
+        self._words.u64[Words.id_index(slot)] = 0
 
     def release(self, reader: int) -> bool:
         """Drop one reference to a lease; False when none was held (released, expired, forged, or another arena's)."""
@@ -191,12 +150,12 @@ class ArenaTable:
         """Stop the heartbeat and unlink the header segment (the owner alone unlinks)."""
         self._stop.set()
         self._beat.join(timeout=2)
-        _release_words(self)
+        release_words(self)
         self.shm.close()
         self.shm.unlink()
 
     def __del__(self) -> None:
-        _release_words(self)
+        release_words(self)
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -219,19 +178,17 @@ class ArenaView:
             raise Unavailable(
                 f"feature arena {name!r} does not exist: the vision process that made it has stopped"
             ) from err
-        if self.shm.size < _TABLE_OFFSET or bytes(self.shm.buf[:8]) != MAGIC:
+        if self.shm.size < TABLE_OFFSET or bytes(self.shm.buf[:8]) != MAGIC:
             self.shm.close()
             raise FailedPrecondition(f"shared-memory segment {name!r} is not a vlmesh feature arena")
-        _, version, self.location, self.slot_bytes, self.n_slots, self.data_offset, _ = _HEADER.unpack_from(
-            self.shm.buf
-        )
+        _, version, self.location, self.slot_bytes, self.n_slots, self.data_offset, _ = HEADER.unpack_from(self.shm.buf)
         if version != VERSION:
             self.shm.close()
             raise FailedPrecondition(
                 f"feature arena {name!r} has layout version {version}, this process reads {VERSION}"
             )
         self.name = name
-        self._words = _Words(self.shm.buf)
+        self._words = Words(self.shm.buf)
         self._skew = 0.0  # this process's clock minus the producer's, learned from a moving beat
         self._still_beat: float | None = None  # a beat that was watched and did not move
 
@@ -240,7 +197,7 @@ class ArenaView:
         return time.monotonic() - self._skew
 
     def _beat(self) -> float:
-        return self._words.f64[_Words.HEARTBEAT]
+        return self._words.f64[Words.HEARTBEAT]
 
     def check_alive(self) -> None:
         """UNAVAILABLE unless the producer's heartbeat is fresh, or moves while it is watched."""
@@ -249,7 +206,7 @@ class ArenaView:
             return
         if beat != self._still_beat:
             # Stale by this clock: a dead producer, or clocks that disagree. Watch the beat.
-            watch_until = time.monotonic() + _WATCH_S
+            watch_until = time.monotonic() + WATCH_S
             while time.monotonic() < watch_until:
                 time.sleep(HEARTBEAT_PERIOD_S / 5)
                 moved = self._beat()
@@ -287,14 +244,14 @@ class ArenaView:
 
     def close(self) -> None:
         """Detach from the segment (never unlink: the producer owns it)."""
-        _release_words(self)
+        release_words(self)
         try:
             self.shm.close()
         except BufferError:
             pass  # a view is still alive; the mapping goes with the process
 
     def __del__(self) -> None:
-        _release_words(self)
+        release_words(self)
 
 
 class ArenaViews:

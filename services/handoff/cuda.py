@@ -32,7 +32,8 @@ import torch
 
 from services.common.config import READY_SIGNALS
 from services.common.errors import FailedPrecondition
-from services.handoff.arena import CUDA, ArenaTable, ArenaView, ArenaViews
+from services.handoff.arena import ArenaTable, ArenaView, ArenaViews
+from services.handoff.header import CUDA
 from services.handoff.leases import Lease
 from services.handoff.transport import ArenaTransport
 from services.handoff.wire import Layout, Origin

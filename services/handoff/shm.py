@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from services.common.errors import FailedPrecondition
-from services.handoff.arena import HOST, ArenaTable, ArenaView, ArenaViews
+from services.handoff.arena import ArenaTable, ArenaView, ArenaViews
+from services.handoff.header import HOST
 from services.handoff.leases import Lease
 from services.handoff.transport import ArenaTransport
 from services.handoff.wire import Layout, Origin

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP routes: /v1/chat/completions, /v1/models, /health, /metrics.
 
-A chat request goes through the gRPC servicer's own path (`GatewayServicer._run`: tenants,
+A chat request goes through the gRPC servicer's own path (`GatewayServicer.run`: tenants,
 qos-level, admission, vision, llm), with an `HttpCall` standing in for the gRPC context:
 the HTTP headers are its metadata (`authorization: Bearer KEY`, `qos-level`,
 `x-model-variant`). So both doors share every check, metric and trace, and differ only in
@@ -48,7 +48,8 @@ _END = object()
 
 
 class HttpCall:
-    """What `GatewayServicer._run` reads of a gRPC context, for a request that came over HTTP."""
+    """A `CallContext` (what `GatewayServicer.run` reads of a gRPC context) for a request that came
+    over HTTP; `code` too, which the access log asks of a gRPC context."""
 
     def __init__(self, headers: Mapping[str, str]) -> None:
         self._metadata = tuple(headers.items())  # names are lowercase, as in gRPC metadata
@@ -159,7 +160,7 @@ class OpenAiApi:
                     generate = to_generate(req, images, headers.get("x-request-id", ""))
                     first = True
                     try:
-                        async with contextlib.aclosing(self.servicer._run(generate, call, entry)) as msgs:  # type: ignore[arg-type]
+                        async with contextlib.aclosing(self.servicer.run(generate, call, entry)) as msgs:
                             async for msg in msgs:
                                 entry.relayed(msg)
                                 events.put_nowait((req, call, msg) if first else msg)

@@ -14,6 +14,7 @@ import torch
 
 from services.common.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from services.handoff import arena as arena_mod
+from services.handoff import header
 from services.handoff.arena import ArenaView
 from services.handoff.leases import LeaseTable
 from services.handoff.shm import ShmArena, read_host
@@ -133,7 +134,7 @@ def test_dead_producer_fails_fast_after_the_first_watch(arena, monkeypatch):
 
 
 def _beat_with(arena, value: float) -> None:
-    struct.pack_into("<d", arena.shm.buf, arena_mod._HEARTBEAT_OFFSET, value)
+    struct.pack_into("<d", arena.shm.buf, header.HEARTBEAT_OFFSET, value)
 
 
 def test_a_beat_that_looks_old_but_moves_is_alive(arena):

@@ -181,7 +181,7 @@ def test_the_key_covers_bytes_model_preprocessing_and_dtype(encoder, producer):
 
 
 def test_kept_slots_follow_the_arena_alignment():
-    from services.handoff.arena import align
+    from services.handoff.header import align
 
     assert kept_slots(1, 4096) == 256
     assert kept_slots(1, 5000) == 2**20 // align(5000) == 128

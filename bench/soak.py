@@ -1,0 +1,209 @@
+"""Soak: a QoS mix at a share of the mesh's measured capacity for a long time, and what it leaves.
+
+    python -m bench.soak --model models/demo --duration 1800 --load 0.7 --out soak.json
+
+It starts a mesh, measures its capacity (a closed loop of `--concurrency` for `--probe-s`),
+then offers Poisson arrivals at `--load` of that rate, as realtime, standard and best-effort
+requests (`--mix`), each a fresh picture, for `--duration` seconds. Every `--sample-s` it records
+each service's memory (RSS, and the private part: RSS minus pages shared with other processes,
+such as the feature arenas), open file descriptors and threads, and the shared-memory segments
+on the host.
+
+It reports lost requests (sent - answered - refused with a status: must be 0), the statuses,
+e2e percentiles per class, and each service's memory growth after `--warmup` (`growth_of`). It
+exits 1 when a request was lost or a service's private memory grew by more than `--max-growth`
+(a share: 0.01 is 1%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import numpy as np
+import psutil
+
+from services.launcher import Mesh, MeshOptions
+from services.model.shapes import PROMPTS, encode, render
+from vlmesh.v1 import common_pb2 as pb
+from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
+
+SEED = 5151  # not the tests', training's or the accuracy bench's
+CLASSES = ("realtime", "standard", "best-effort")
+
+
+def picture(i: int) -> tuple[bytes, str]:
+    pic = render(np.random.default_rng([SEED, i]))
+    return encode(pic.image, "JPEG", 90), list(PROMPTS)[i % len(PROMPTS)]
+
+
+class Load:
+    """Requests through the gateway; every one ends counted (a status, or lost)."""
+
+    def __init__(self, target: str, max_tokens: int) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        self.max_tokens = max_tokens
+        self.statuses: Counter = Counter()
+        self.e2e: dict[str, list[float]] = {c: [] for c in CLASSES}
+        self.sent = 0
+        self.pending: set[asyncio.Task] = set()
+
+    async def one(self, i: int, qos: str, record: bool = True) -> None:
+        data, prompt = await asyncio.get_running_loop().run_in_executor(None, picture, i)  # not on the loop
+        req = gateway_pb2.GenerateRequest(
+            images=[pb.Image(data=data)], prompt=prompt, sampling=pb.SamplingParams(max_tokens=self.max_tokens)
+        )
+        start = time.perf_counter()
+        try:
+            await self.stub.GenerateUnary(req, metadata=(("qos-level", qos),), timeout=60)
+            code = "OK"
+        except grpc.aio.AioRpcError as err:
+            code = err.code().name
+        if record:
+            self.statuses[code] += 1
+            if code == "OK":
+                self.e2e[qos].append((time.perf_counter() - start) * 1000)
+
+    def launch(self, i: int, qos: str) -> None:
+        self.sent += 1
+        task = asyncio.create_task(self.one(i, qos))
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+
+async def capacity(load: Load, concurrency: int, seconds: float) -> float:
+    """Requests per second that a closed loop of `concurrency` gets."""
+    done, stop, counter = 0, time.monotonic() + seconds, iter(range(10**9, 2 * 10**9))
+
+    async def worker() -> None:
+        nonlocal done
+        while time.monotonic() < stop:
+            await load.one(next(counter), "standard", record=False)
+            done += 1
+
+    start = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done / (time.monotonic() - start)
+
+
+def sample(procs: dict[str, psutil.Process], t0: float) -> dict:
+    row: dict = {"t_s": round(time.monotonic() - t0, 1), "shm_segments": len(os.listdir("/dev/shm"))}
+    for name, p in procs.items():
+        mem = p.memory_info()
+        row[name] = {
+            "rss_mib": round(mem.rss / 2**20, 2),
+            "private_mib": round((mem.rss - getattr(mem, "shared", 0)) / 2**20, 2),
+            "fds": p.num_fds(),
+            "threads": p.num_threads(),
+        }
+    return row
+
+
+def growth_of(rows: list[dict]) -> dict:
+    """Memory growth after warm-up: the peak of the last third of the samples against the peak of
+    the first third. Peaks, not single samples: the allocators' caches make a steady process's
+    memory swing by a few MiB from sample to sample, while a leak raises the peak steadily. RSS
+    also counts the feature arenas' shared pages, which fill up to --feature-cache-mib by design;
+    `private` leaves them out."""
+    third = max(1, len(rows) // 3)
+    first, last = rows[:third], rows[-third:]
+
+    def peak(window: list[dict], key: str) -> float:
+        return max(r[key] for r in window)
+
+    return {
+        "rss": round(peak(last, "rss_mib") / peak(first, "rss_mib") - 1, 4),
+        "private": round(peak(last, "private_mib") / peak(first, "private_mib") - 1, 4),
+        "fds": max(r["fds"] for r in last) - max(r["fds"] for r in first),
+    }
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+async def soak(mesh: Mesh, args) -> dict:
+    load = Load(mesh.target("gateway"), args.max_tokens)
+    procs = {c.name: psutil.Process(c.proc.pid) for c in mesh.children}
+    cap = await capacity(load, args.concurrency, args.probe_s)
+    rate = args.load * cap
+    print(f"soak: capacity {cap:.1f} req/s; offering {rate:.1f} req/s for {args.duration:g} s", file=sys.stderr)
+    rng = random.Random(SEED)
+    weights = [float(x) for x in args.mix.split(",")]
+    t0 = time.monotonic()
+    samples = [sample(procs, t0)]
+    next_sample, i, at = t0 + args.sample_s, 0, t0
+    while at < t0 + args.duration:
+        at += rng.expovariate(rate)
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        load.launch(i, rng.choices(CLASSES, weights)[0])
+        i += 1
+        if time.monotonic() >= next_sample:
+            samples.append(sample(procs, t0))
+            next_sample += args.sample_s
+    # Drain: every request sent must end, with an answer or a status, within its deadline.
+    if load.pending:
+        await asyncio.wait(set(load.pending), timeout=90)
+    samples.append(sample(procs, t0))
+    await load.channel.close()
+    answered = load.statuses["OK"]
+    refused = sum(n for code, n in load.statuses.items() if code != "OK")
+    growth = {name: growth_of([s[name] for s in samples if s["t_s"] >= args.warmup]) for name in procs}
+    return {
+        "capacity_rps": round(cap, 2),
+        "offered_rps": round(rate, 2),
+        "sent": load.sent,
+        "answered": answered,
+        "refused_with_status": refused,
+        "lost": load.sent - answered - refused,
+        "statuses": dict(load.statuses),
+        "e2e_ms": {c: {"p50": percentile(v, 50), "p99": percentile(v, 99), "n": len(v)} for c, v in load.e2e.items()},
+        "growth_after_warmup": growth,
+        "shm_segments": {"start": samples[0]["shm_segments"], "end": samples[-1]["shm_segments"]},
+        "samples": samples,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="models/demo")
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of load (default %(default)s)")
+    p.add_argument("--warmup", type=float, default=20.0, help="seconds before memory is compared (default %(default)s)")
+    p.add_argument("--load", type=float, default=0.7, help="share of the measured capacity (default %(default)s)")
+    p.add_argument("--mix", default="2,5,3", help="realtime,standard,best-effort weights (default %(default)s)")
+    p.add_argument("--concurrency", type=int, default=8, help="the capacity probe's closed loop (default %(default)s)")
+    p.add_argument("--probe-s", type=float, default=10.0, help="the capacity probe's length (default %(default)s)")
+    p.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-growth", type=float, default=0.01, help="private memory growth allowed (default 1%%)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", type=Path, default=None, help="write the figures and samples as JSON here")
+    args = p.parse_args(argv)
+    opts = MeshOptions.from_flags(
+        model=args.model, device=args.device, gateway_port=0, vision_port=0, llm_port=0, metrics_ports=(-1, -1, -1)
+    )
+    with Mesh(opts) as mesh:
+        mesh.start(progress=lambda m: print(f"soak: {m}", file=sys.stderr, flush=True))
+        result = asyncio.run(soak(mesh, args))
+    summary = {k: v for k, v in result.items() if k != "samples"}
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, **result}, indent=1))
+    worst = max(g["private"] for g in result["growth_after_warmup"].values())
+    ok = result["lost"] == 0 and worst <= args.max_growth
+    if not ok:
+        print(f"soak: FAILED (lost {result['lost']}, worst private growth {worst:.2%})", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
