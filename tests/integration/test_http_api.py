@@ -288,7 +288,10 @@ def test_fifty_pictures_get_the_same_answers_through_both_doors(mesh):
                 metadata=md,
                 timeout=60,
             )
-            by_http = c.chat.completions.create(model="demo", messages=ask(url, prompt), max_tokens=8)
+            by_http = c.chat.completions.create(
+                model="demo", messages=ask(url, prompt), max_tokens=8, extra_body={"return_token_ids": True}
+            )
+            assert by_http.choices[0].model_extra["token_ids"] == list(by_grpc.token_ids), i
             assert by_http.choices[0].message.content == by_grpc.text, i
             assert by_http.usage.completion_tokens == by_grpc.usage.output_tokens, i
             assert by_http.usage.prompt_tokens == by_grpc.usage.prompt_tokens + by_grpc.usage.image_tokens, i

@@ -142,7 +142,7 @@ class OpenAiApi:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             stream = self._stream(answer, head, events, task, include_usage)
             return StreamingResponse(stream, media_type="text/event-stream", headers=out_headers)
-        return await self._whole(request, answer, head, events, task, out_headers)
+        return await self._whole(request, answer, head, events, task, out_headers, req.return_token_ids)
 
     async def _produce(self, body: bytes, headers: dict[str, str], events: asyncio.Queue) -> None:
         """Run one request through the servicer; put (request, call, first message), then each
@@ -183,17 +183,21 @@ class OpenAiApi:
                 metrics.REQUESTS.labels("gateway", METHOD, code).inc()
                 telemetry.annotate({"http.response.status_code": http_status_of(code)}, span)
 
-    async def _whole(self, request: Request, answer: Completion, head, events, task, headers) -> Response:
+    async def _whole(
+        self, request: Request, answer: Completion, head, events, task, headers, with_ids: bool
+    ) -> Response:
         """Collect the answer; a client that disconnects first cancels the request."""
         watcher = asyncio.create_task(_cancel_on_disconnect(request, task))
         try:
-            texts, msg = [head.text], head
+            texts, ids, msg = [head.text], list(head.token_ids), head
             while (item := await events.get()) is not _END:
                 if isinstance(item, MeshError):
                     return error_response(item)
                 texts.append(item.text)
+                ids += item.token_ids
                 msg = item
-            return JSONResponse(answer.whole("".join(texts), msg.finish_reason, msg.usage), headers=headers)
+            body = answer.whole("".join(texts), msg.finish_reason, msg.usage, ids if with_ids else None)
+            return JSONResponse(body, headers=headers)
         finally:
             watcher.cancel()
 

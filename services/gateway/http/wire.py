@@ -79,6 +79,7 @@ class ChatRequest(BaseModel):
     # vLLM's extensions (extra_body in the openai client): generate at least min_tokens; go on past EOS.
     min_tokens: int = 0
     ignore_eos: bool = False
+    return_token_ids: bool = False  # vLLM's too: the answer's token ids beside its text (not streamed)
     # Defined by OpenAI, refused unless neutral (see `unsupported`).
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -220,13 +221,15 @@ class Completion:
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish: int, u: pb.Usage) -> dict:
-        choice = {
+    def whole(self, text: str, finish: int, u: pb.Usage, token_ids: list[int] | None = None) -> dict:
+        choice: dict = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
             "finish_reason": FINISH.get(finish, "stop"),
             "logprobs": None,
         }
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         return {**self._head("chat.completion"), "choices": [choice], "usage": usage(u)}
 
     def chunk(self, delta: dict, finish: int | None = None) -> dict:
