@@ -210,9 +210,10 @@ class Mesh:
         self.warm_up(progress)
 
     def _gateway_config(self) -> GatewayConfig:
-        return dataclasses.replace(
-            self.opts.gateway, vision_target=self.target("vision"), llm_target=self.target("llm")
-        )
+        gateway = self.opts.gateway
+        if self.http_port:  # a restarted gateway keeps its HTTP port too
+            gateway = dataclasses.replace(gateway, http=dataclasses.replace(gateway.http, port=self.http_port))
+        return dataclasses.replace(gateway, vision_target=self.target("vision"), llm_target=self.target("llm"))
 
     def respawn(self, child: Child) -> Child:
         """Start a dead child again, on the ports it had, and wait until it serves (MeshError if not)."""

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from tests.helpers import image_bytes
@@ -43,6 +44,7 @@ class Up:
         self.log = tmp / "up.log"
         cmd = [*VLMESH, "up", "--model", str(model), "--gateway-port", "0", "--vision-port", "0", "--llm-port", "0"]
         cmd += ["--metrics-ports", "-1,-1,-1", "--warmup-requests", "1", "--log-level", "warning", "--threads", "1"]
+        cmd += ["--http-port", "0"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True, env=env)
         deadline = time.monotonic() + 120
@@ -50,6 +52,7 @@ class Up:
             line = self.proc.stdout.readline()
             if line.startswith("gateway ready on "):
                 self.target = line.split()[3].rstrip(";")
+                self.http = line.split()[-1].removesuffix("/v1")
                 return
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
         raise AssertionError("vlmesh up did not become ready")
@@ -133,6 +136,7 @@ def test_a_fault_ends_every_stream_and_the_mesh_heals(tiny_model, tmp_path, serv
                 time.sleep(0.5)
         healed = time.monotonic() - fault
         assert up.pid(service) != victim
+        assert httpx.get(f"{up.http}/health", timeout=5).json() == {"status": "ok"}  # the same HTTP port too
         log = up.log.read_text()
         assert f"the {service} process" in log and f"{service} is serving again" in log, log[-3000:]
         print(f"{service} {sig.name}: answering again {healed:.1f} s after the fault")
