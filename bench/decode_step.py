@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.common.config import QUANTIZATIONS
 from services.common.sampling import Sampling
 from services.llm.block_manager import BlockManager
 from services.llm.kv_cache import KvConfig, page_bytes
 from services.llm.runner import ModelRunner
 from services.llm.scheduler import Chunk
+from services.model.quantize import weight_bytes as stored_bytes
 from services.model.spec import load_spec
 
 MATMUL_FLOPS = 785e12  # bf16, measured on the H200 (BENCHMARKS.md)
@@ -110,9 +112,12 @@ def copy_bandwidth(nbytes: int = 2**31, iters: int = 20) -> float:
 
 
 def weight_bytes(runner: ModelRunner, batch: int) -> int:
-    """What one decode step reads of the weights: all but the embedding table, and b of its rows."""
+    """What one decode step reads of the weights: all but the embedding table, and b of its rows.
+
+    Quantized weights count as stored (their int data and scales): a variant's floor is its own bytes.
+    """
     model = runner.model
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = stored_bytes(model)
     table = model.embed_tokens.weight
     return total - table.numel() * table.element_size() + batch * table.shape[1] * table.element_size()
 
@@ -162,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.decode_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="preset:llava-7b-shaped")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--quantize", default="none", choices=QUANTIZATIONS, help="weight-only quantization (default none)")
     p.add_argument("--batches", default="1,2,4,8,16,32")
     p.add_argument("--context", type=int, default=640, help="positions each sequence holds (default %(default)s)")
     p.add_argument("--steps", type=int, default=50, help="timed steps per batch size (default %(default)s)")
@@ -176,8 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     max_batch = max(*batches, 3 if args.prefill else 1)  # the 3-prompt prefill samples 3 rows
-    print(f"building the engine's runner for {spec.model_id} ({args.dtype}, batches up to {max_batch}) ...", flush=True)
-    runner = ModelRunner(spec, torch.device("cuda"), dtype, max_batch, KvConfig(128, 0.0, 0.6), 2048)
+    what = f"{args.dtype}, --quantize {args.quantize}, batches up to {max_batch}"
+    print(f"building the engine's runner for {spec.model_id} ({what}) ...", flush=True)
+    kv = KvConfig(128, 0.0, 0.6)
+    runner = ModelRunner(spec, torch.device("cuda"), dtype, max_batch, kv, 2048, quantize=args.quantize)
     print(f"ready in {time.perf_counter() - t0:.1f} s (weights, warm-up, compile, graph capture)", flush=True)
     bandwidth = copy_bandwidth()
     results = []
@@ -197,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     out = {
         "model": spec.model_id,
         "dtype": args.dtype,
+        "quantize": args.quantize,
         "copy_bandwidth_Bps": bandwidth,
         "results": results,
         "prefill": prefills,
@@ -204,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
-    print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written); context {args.context}")
+    gbps = bandwidth / 1e12
+    print(f"\n--quantize {args.quantize}: copy bandwidth {gbps:.2f} TB/s (read + written); context {args.context}")
     print("| batch | bucket | GB read | floor ms | step ms (device) | x floor | step ms (wall) | x floor |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from services.bench.workloads import WORKLOADS
 from services.common import eventloop
-from services.common.config import DTYPES, READY_SIGNALS
+from services.common.config import DTYPES, QUANTIZATIONS, READY_SIGNALS
 from services.common.validation import API_KEY_ENV, CliParser, api_key, float_in, int_in
 from services.llm import config as llm_config
 from services.llm.config import VLLM_MISSING
@@ -148,6 +148,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="the native engine's prefix KV reuse (mesh); --no-prefix-cache switches it off (default on)",
+    )
+    p.add_argument(
+        "--quantize",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="the native engine's weight-only quantization (mesh): int8, int4 (CUDA, bf16) (default %(default)s)",
     )
     p.add_argument("--ready-signal", default="sync", choices=READY_SIGNALS, help="CUDA hand-off readiness (mesh)")
     p.add_argument(

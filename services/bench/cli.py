@@ -191,6 +191,7 @@ def serve(name: str, args, say, http: bool = False):
                 max_prefill_tokens=args.max_prefill_tokens,
                 feature_cache_mib=args.feature_cache_mib,
                 prefix_cache=args.prefix_cache,
+                quantize=args.quantize,
                 ready_signal=args.ready_signal,
                 event_loop=args.event_loop,
                 warmup_requests=4,
