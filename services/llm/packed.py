@@ -1,0 +1,277 @@
+"""The packed step: a step's prefill chunks and decode tokens as the rows of one forward.
+
+Rows: the chunks' positions in plan order, then one row per decode (its last token, at its
+position `computed`), then padding up to the row bucket (`row_buckets`). The weights are read
+once for all of them: decodes ride on the prefill's matmuls instead of a second forward.
+Every row first stores its K/V in the pool (padding rows in the null page), then attends
+through `flex_attention` to the pool itself, with a block mask made on the host:
+- per block of `Q_BLOCK` rows, the pages of the sequences those rows belong to (each page
+  once, also when two sequences share it through the prefix cache);
+- a mask that keeps, for row r and pool position kv in page p:
+
+      tables[seq[r], logical[p]] == p                        (p is a page of r's sequence)
+      and logical[p] * page_size + kv % page_size <= pos[r]  (at or before r's position)
+
+  A page shared by two prompts' prefixes sits at the same logical index in both, so
+  `logical` is one value per page. Pages that every row of a one-sequence block sees whole
+  are full blocks: flex skips their mask.
+
+Every input lives at a fixed address (the runner's staging buffer, one upload per step), so
+on CUDA each bucket's layers and head are captured in one CUDA graph: one replay where the
+eager prefill launched some ten kernels per layer from Python and was bound by the host. The
+embedding and the image features are written into the static input rows before the replay.
+On the CPU the same forward runs eagerly (flex compiled alone), which is how the tests check
+it against the per-chunk reference (services/llm/attention.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from services.llm.attention import prefill_in, prefill_out
+from services.llm.decode import ban_eos
+from services.llm.kv_cache import PagedKvCache
+from services.llm.request import Request
+from services.llm.scheduler import Chunk
+from services.llm.staging import Staging
+from services.model.llama import LlamaDecoder
+
+log = logging.getLogger(__name__)
+
+Q_BLOCK = 128  # query rows per block-mask block (a multiple of flex's BLOCK_M)
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Captured row counts: 128, 256, 384, 512, 768, 1024, 1536, 2048, ... up to max_rows (rounded to 128)."""
+    top = -(-max_rows // Q_BLOCK) * Q_BLOCK
+    sizes, b = [], Q_BLOCK
+    while b < top:
+        sizes.append(b)
+        b = b + Q_BLOCK if b < 512 else b * 3 // 2 if (b & (b - 1)) == 0 else b * 4 // 3
+    return [*sizes, top]
+
+
+def fixed_words(max_rows: int, max_seqs: int, max_pages: int, n_pages: int) -> int:
+    """Staging words the packed step's inputs take (see `PackedStep.__init__`)."""
+    rows = row_buckets(max_rows)[-1]
+    blocks = rows // Q_BLOCK
+    return 4 * rows + (max_seqs + 1) * max_pages + n_pages + 2 * blocks * (1 + n_pages) + 2 * max_seqs
+
+
+class PackedStep:
+    def __init__(
+        self,
+        model: LlamaDecoder,
+        kv: PagedKvCache,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [max_context, d]
+        staging: Staging,
+        at: int,  # where its inputs start in the staging buffer's fixed front (`fixed_words` long)
+        eos: torch.Tensor | None,
+        max_rows: int,
+        max_seqs: int,
+        max_pages: int,
+        layer_in=prefill_in,  # the layer halves around the attention: compiled (dynamic rows) on CUDA
+        layer_out=prefill_out,
+    ) -> None:
+        self.model, self.kv, self.rope, self.eos = model, kv, rope, eos
+        self.page, self.n_pages, self.max_seqs, self.max_pages = kv.page_size, kv.n_pages, max_seqs, max_pages
+        self.buckets = row_buckets(max_rows)
+        rows, s, blocks = self.buckets[-1], max_seqs, self.buckets[-1] // Q_BLOCK
+        sizes = {
+            "ids": rows,
+            "pos": rows,
+            "slots": rows,
+            "seq": rows,  # each row's sequence (its index in this step); padding: s, whose table is empty
+            "tables": (s + 1) * max_pages,
+            "logical": self.n_pages,  # each page's index in the tables that hold it
+            "kv_num": blocks,
+            "kv_idx": blocks * self.n_pages,
+            "full_num": blocks,
+            "full_idx": blocks * self.n_pages,
+            "last": s,  # the rows whose logits are sampled
+            "ban": s,
+        }
+        self._host, dev = {}, {}
+        for name, n in sizes.items():
+            self._host[name], dev[name] = staging.fixed_view(at, n)
+            at += n
+        self._host["tables"] = self._host["tables"].reshape(s + 1, max_pages)
+        for name in ("kv_idx", "full_idx"):
+            self._host[name] = self._host[name].reshape(blocks, self.n_pages)
+        self._dev = dev
+        self._tables = dev["tables"].view(s + 1, max_pages)
+        device = kv.k[0].device
+        self.x = torch.zeros(rows, model.embed_tokens.embedding_dim, device=device, dtype=kv.k[0].dtype)
+        self.logits = torch.zeros(s, model.lm_head.out_features, device=device)
+        self.greedy = torch.zeros(s, dtype=torch.int64, device=device)
+        self._in, self._out = layer_in, layer_out
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # Static shapes: one compile per bucket. Pages smaller than flex's default key block
+        # need a key block of their size.
+        self._options = None if self.page % 64 == 0 else {"BLOCK_N": self.page}
+        self._flex = torch.compile(flex_attention, dynamic=False)
+        self.gqa = model.layers[0].self_attn.h != model.layers[0].self_attn.g
+        self._masks = {b: self._block_mask(b) for b in self.buckets}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.rows = 0  # the bucket of the rows staged for the next run
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def fits(self, chunks: list[Chunk], decodes: list[Request]) -> bool:
+        sampled = sum(c.completes for c in chunks) + len(decodes)
+        return sum(c.end - c.start for c in chunks) + len(decodes) <= self.buckets[-1] and sampled <= self.max_seqs
+
+    def _block_mask(self, rows: int):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        d, page, blocks = self._dev, self.page, rows // Q_BLOCK
+        seq, pos, logical, tables = d["seq"], d["pos"], d["logical"], self._tables
+        top = self.max_pages - 1
+
+        def own_positions(b, h, q_idx, kv_idx):
+            p = kv_idx // page
+            lp = logical[p].clamp(0, top)  # pages outside this step hold stale entries: never owned
+            return (tables[seq[q_idx], lp] == p) & (lp * page + kv_idx % page <= pos[q_idx])
+
+        def view(name, width=None):
+            t = d[name][: blocks * (width or 1)]
+            return t.view(1, 1, blocks, width) if width else t.view(1, 1, blocks)
+
+        return BlockMask.from_kv_blocks(
+            view("kv_num"),
+            view("kv_idx", self.n_pages),
+            view("full_num"),
+            view("full_idx", self.n_pages),
+            BLOCK_SIZE=(Q_BLOCK, page),
+            mask_mod=own_positions,
+            seq_lengths=(rows, self.n_pages * page),
+            compute_q_blocks=False,
+        )
+
+    # ---- host side ----
+    def stage(self, chunks: list[Chunk], decodes: list[Request]) -> None:
+        """Write the step's rows, tables and block mask into the staging buffer (before its upload)."""
+        h, page = self._host, self.page
+        reqs = [c.req for c in chunks] + decodes
+        ids, pos, last, ban = [], [], [], []
+        for c in chunks:
+            r = c.req
+            tokens = r.prompt_ids + r.output_ids if r.output_ids else r.prompt_ids
+            ids.extend(tokens[c.start : c.end])
+            pos.append(np.arange(c.start, c.end))
+        for r in decodes:
+            ids.append(r.output_ids[-1])
+            pos.append(np.array([r.computed]))
+        lengths = [len(p) for p in pos]
+        ends = np.cumsum(lengths)
+        for i, r in enumerate(reqs):  # completing chunks, then decodes: the runner's token order
+            if i >= len(chunks) or chunks[i].completes:
+                last.append(int(ends[i]) - 1)
+                ban.append(len(r.output_ids) < r.sampling.min_tokens)
+        positions = np.concatenate(pos)
+        seqs = np.repeat(np.arange(len(reqs)), lengths)
+        n, rows = len(positions), self.bucket(len(positions))
+        tables = h["tables"]
+        tables[:] = -1
+        for i, r in enumerate(reqs):
+            blocks = np.asarray(r.blocks, dtype=np.int64)
+            tables[i, : len(blocks)] = blocks
+            h["logical"][blocks] = np.arange(len(blocks))
+        h["ids"][:n], h["pos"][:n], h["seq"][:n] = ids, positions, seqs
+        h["slots"][:n] = tables[seqs, positions // page].astype(np.int64) * page + positions % page
+        h["ids"][n:rows] = 0
+        h["pos"][n:rows] = 0
+        h["seq"][n:rows] = len(tables) - 1  # the empty table: padding attends to nothing
+        h["slots"][n:rows] = np.arange(rows - n) % page  # the null page
+        h["last"][: len(last)], h["last"][len(last) :] = last, 0
+        h["ban"][: len(ban)], h["ban"][len(ban) :] = ban, 0
+        self._stage_mask(positions, seqs, rows, tables)
+        self.rows = rows
+
+    def _stage_mask(self, positions: np.ndarray, seqs: np.ndarray, rows: int, tables: np.ndarray) -> None:
+        h, page = self._host, self.page
+        for b in range(rows // Q_BLOCK):
+            lo, hi = b * Q_BLOCK, min((b + 1) * Q_BLOCK, len(positions))
+            partial, full = [], []
+            if lo < hi:
+                block_seqs = seqs[lo:hi]
+                one = hi - lo == Q_BLOCK and block_seqs[0] == block_seqs[-1]  # one sequence, no padding
+                first = int(positions[lo:hi].min())
+                seen: set[int] = set()
+                for s in np.unique(block_seqs):
+                    top = int(positions[lo:hi][block_seqs == s].max()) // page
+                    for lp in range(top + 1):
+                        p = int(tables[s, lp])
+                        if p in seen:
+                            continue
+                        seen.add(p)
+                        (full if one and (lp + 1) * page - 1 <= first else partial).append(p)
+            h["kv_num"][b], h["full_num"][b] = len(partial), len(full)
+            h["kv_idx"][b, : len(partial)] = partial
+            h["full_idx"][b, : len(full)] = full
+
+    # ---- device side ----
+    def embed(self) -> torch.Tensor:
+        """The staged rows' token embeddings, into the static input; returns it (rows [:bucket])."""
+        x = self.x[: self.rows]
+        torch.index_select(self.model.embed_tokens.weight, 0, self._dev["ids"][: self.rows], out=x)
+        return x
+
+    @torch.inference_mode()
+    def forward(self, rows: int) -> None:
+        """Input rows [:rows] -> `logits` and `greedy` of the sampled rows. Capturable: static shapes, no syncs."""
+        d = self._dev
+        positions, slots = d["pos"][:rows].long(), d["slots"][:rows].long()
+        cos, sin = self.rope[0][positions], self.rope[1][positions]
+        mask = self._masks[rows]
+        x = self.x[:rows]
+        for i, layer in enumerate(self.model.layers):
+            k_pool, v_pool = self.kv.k[i], self.kv.v[i]
+            q, _, _ = self._in(layer, x, cos, sin, k_pool, v_pool, slots)
+            o = self._flex(
+                q.transpose(0, 1)[None],  # [1, h, rows, d]
+                k_pool[None],
+                v_pool[None],
+                block_mask=mask,
+                enable_gqa=self.gqa,
+                kernel_options=self._options,
+            )
+            x = self._out(layer, x, o[0].transpose(0, 1))
+        self.logits.copy_(self.model.logits(x.index_select(0, d["last"].long())))
+        ban_eos(self.logits, self.eos, d["ban"])
+        torch.argmax(self.logits, dim=-1, out=self.greedy)
+
+    def run(self) -> None:
+        """Run the staged rows (uploaded, embedded, features written): a graph replay when captured."""
+        graph = self._graphs.get(self.rows)
+        if graph is None:
+            self.forward(self.rows)
+        else:
+            graph.replay()
+
+    def capture(self) -> None:
+        """Compile and capture one graph per bucket, largest first, sharing one memory pool.
+
+        The staged inputs must be valid while capturing: zeros and empty tables are (no row
+        attends to anything; padding writes only the null page).
+        """
+        start = time.perf_counter()
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        for rows in sorted(self.buckets, reverse=True):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.forward(rows)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.forward(rows)
+            self._graphs[rows] = graph
+            log.info("packed step captured for %d rows (%.1f s so far)", rows, time.perf_counter() - start)
+        torch.cuda.synchronize()

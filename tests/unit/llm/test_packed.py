@@ -1,0 +1,137 @@
+"""The packed step (services/llm/packed.py) against the per-chunk reference, on the CPU.
+
+Two runners on the same weights (fp32) take the same steps: prefill chunks that start, continue
+and complete sequences, decodes beside them, a prefix page shared by two sequences, image
+features written over placeholders, several blocks of 128 query rows with full blocks among
+them. After every step the tokens are equal and every layer's K/V in the pool is close: each
+row's attention fed the layers after it, so a row that saw a wrong position would show there.
+On CUDA the packed forward is graph-captured; here it runs eagerly, with flex compiled alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from services.common.sampling import Sampling
+from services.llm.kv_cache import KvConfig
+from services.llm.packed import Q_BLOCK, row_buckets
+from services.llm.runner import ModelRunner
+from services.llm.scheduler import Chunk
+from services.model.spec import load_spec
+
+PAGE = 16
+GREEDY = Sampling(max_tokens=None, temperature=0.0, top_p=1.0, seed=None, stop=(), min_tokens=0, ignore_eos=True)
+
+
+@dataclass
+class Seq:
+    """What the runner reads of a request."""
+
+    prompt_ids: list[int]
+    blocks: list[int]
+    computed: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    image_positions: list[int] = field(default_factory=list)
+    image_features: list = field(default_factory=list)
+    copy_features: bool = False
+    features_end: int = 0
+    sampling: Sampling = GREEDY
+
+    @property
+    def prefill_target(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+def runner(spec, packed: bool) -> ModelRunner:
+    return ModelRunner(spec, torch.device("cpu"), torch.float32, 6, KvConfig(PAGE, 0.0, 0.6), 400, packed=packed)
+
+
+def test_row_buckets():
+    assert row_buckets(100) == [128]
+    assert row_buckets(2080) == [128, 256, 384, 512, 768, 1024, 1536, 2048, 2176]
+    assert all(b % Q_BLOCK == 0 for b in row_buckets(5000))
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model):
+    spec = load_spec(tiny_model)
+    return spec, runner(spec, packed=False), runner(spec, packed=True)
+
+
+def test_packed_steps_equal_the_per_chunk_reference(pair):
+    spec, ref, packed = pair
+    assert ref.packed is None and packed.packed is not None
+    gen = torch.Generator().manual_seed(5)
+    vocab, hidden = spec.text.vocab, spec.text.hidden
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+    def pages(first: int, n: int) -> list[int]:
+        return list(range(first, first + n))
+
+    shared = prompt(PAGE)  # one full page two prompts begin with
+    ids = [prompt(300), shared + prompt(21), shared + prompt(9), prompt(5), prompt(40)]
+    feats = torch.randn(8, hidden, generator=gen)
+    runs = {}
+    for name, r in (("ref", ref), ("packed", packed)):
+        a = Seq(ids[0], pages(1, 20))  # 300 positions in two chunks: 2 query blocks, full blocks
+        b = Seq(ids[1], pages(30, 3), image_positions=[4], image_features=[feats], features_end=12)
+        c = Seq(ids[2], [30, *pages(40, 2)])  # shares b's first page (the prefix cache)
+        d = Seq(ids[3], pages(50, 2))
+        steps = [
+            ([Chunk(a, 0, 160), Chunk(b, 0, 37), Chunk(d, 0, 5)], []),  # a starts; b, d complete
+            ([Chunk(a, 160, 300), Chunk(c, PAGE, 25)], [b, d]),  # a continues and completes; c after the shared page
+            ([], [a, b, c, d]),  # decodes alone: the decode step in both runners
+            ([Chunk(Seq(ids[4], pages(60, 4)), 0, 40)], [a, c]),
+        ]
+        tokens = []
+        for chunks, decodes in steps:
+            out = r.step(chunks, decodes)
+            for req, tok in zip([c.req for c in chunks if c.completes] + decodes, out, strict=True):
+                req.output_ids.append(tok)
+            tokens.append(out)
+            pool = torch.stack([torch.stack([k, v]) for k, v in zip(r.kv.k, r.kv.v, strict=True)])
+            runs.setdefault(name, []).append((out, pool.clone()))
+    for step, ((want, pool_ref), (got, pool_packed)) in enumerate(zip(runs["ref"], runs["packed"], strict=True)):
+        assert got == want, f"step {step}"
+        torch.testing.assert_close(pool_packed[:, :, :, PAGE:], pool_ref[:, :, :, PAGE:], atol=1e-4, rtol=1e-4)
+
+
+def test_the_block_mask_lists_each_page_once_and_whole_pages_as_full(pair):
+    step = pair[2].packed
+    a = Seq(list(range(3, 303)), list(range(1, 20)), computed=160)
+    b = Seq(list(range(3, 30)), [1, 25])  # shares a's first page
+    step.stage([Chunk(a, 160, 300), Chunk(b, PAGE, 27)], [])
+    h = step._host
+    # Block 0: rows of a only (positions 160..287): pages 0..9 of a are wholly before 160.
+    assert h["full_num"][0] == 10 and sorted(h["full_idx"][0, :10]) == list(range(1, 11))
+    assert sorted(h["kv_idx"][0, : h["kv_num"][0]]) == list(range(11, 19))
+    # Block 1: a's last rows, then b's: page 1 (shared) is listed once.
+    listed = list(h["kv_idx"][1, : h["kv_num"][1]])
+    assert h["full_num"][1] == 0 and len(listed) == len(set(listed)) and 1 in listed and 25 in listed
+    assert step.rows == 256 and (h["seq"][151:256] == step.max_seqs).all()  # padding: the empty table
+    assert (h["tables"][step.max_seqs] == -1).all()
+
+
+def test_the_engine_answers_alike_with_packed_and_chunked_prefill(tiny_model):
+    """Through the engine and its scheduler: images, chunked prompts (a small budget), decodes mixed
+    into prefill steps, repeated images sharing prefix pages, preemption-free batching of 3."""
+    from services.llm.config import NativeEngineConfig
+    from tests.helpers import PROMPTS, Parts
+
+    answers = {}
+    for mode in ("chunks", "packed"):
+        parts = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(prefill=mode, max_prefill_tokens=24))
+        try:
+            assert (parts.engine.runner.packed is not None) == (mode == "packed")
+            pairs = [parts.request(i % 3, p, max_tokens=12, min_tokens=12) for i, p in enumerate(PROMPTS * 2)]
+            parts.run(*pairs)
+            answers[mode] = [box["ids"] for _, box in pairs]
+            assert parts.engine.scheduler.blocks.free == parts.engine.scheduler.blocks.capacity
+        finally:
+            parts.engine.stop()
+    assert answers["packed"] == answers["chunks"]
