@@ -255,23 +255,32 @@ class PackedStep:
         else:
             graph.replay()
 
-    def capture(self) -> None:
-        """Compile and capture one graph per bucket, largest first, sharing one memory pool.
+    def capture(self, fallback: bool = False) -> PackedStep | None:
+        """Compile and capture one graph per bucket, largest first, sharing one memory pool; returns self.
 
-        The staged inputs must be valid while capturing: zeros and empty tables are (no row
-        attends to anything; padding writes only the null page).
+        `fallback`: if compiling or capturing fails, log it and return None (the runner then
+        prefills per chunk) instead of raising. The staged inputs must be valid while
+        capturing: zeros and empty tables are (no row attends; padding writes the null page).
         """
         start = time.perf_counter()
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
-        for rows in sorted(self.buckets, reverse=True):
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
+        try:
+            for rows in sorted(self.buckets, reverse=True):
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self.forward(rows)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
                     self.forward(rows)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.forward(rows)
-            self._graphs[rows] = graph
-            log.info("packed step captured for %d rows (%.1f s so far)", rows, time.perf_counter() - start)
+                self._graphs[rows] = graph
+                log.info("packed step captured for %d rows (%.1f s so far)", rows, time.perf_counter() - start)
+        except Exception:
+            if not fallback:
+                raise
+            log.exception("the packed step could not be captured: prefill runs per chunk (--prefill chunks)")
+            self._graphs.clear()
+            return None
         torch.cuda.synchronize()
+        return self

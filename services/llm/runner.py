@@ -76,7 +76,7 @@ class ModelRunner:
         # Decode inputs at fixed addresses: tokens, positions, block tables, EOS-ban flags; then
         # the packed step's (services/llm/packed.py), when it runs the prefill.
         b, p = max_batch, self.max_pages
-        packed = self.graphs if packed is None else packed
+        auto, packed = packed is None, self.graphs if packed is None else packed
         rows = max_prefill_tokens + max_batch
         fixed = b * (3 + p) + (fixed_words(rows, max_batch, p, self.n_pages) if packed else 0)
         # Then a chunked prefill's ids, positions, slots, continued chunks' context, per-row values.
@@ -113,7 +113,7 @@ class ModelRunner:
         if self.graphs:
             self.decode.capture(max_len=kv.page_size)
             if self.packed is not None:
-                self.packed.capture()
+                self.packed = self.packed.capture(fallback=auto)
         log.info(
             "decoder loaded: %d layers x %d, %s on %s; decode %s; prefill %s",
             *(t.layers, t.hidden, dtype, device),
