@@ -57,7 +57,7 @@ class Pipeline:
         sys.setswitchinterval(SWITCH_INTERVAL_MS / 1000)  # as the servers do: the same runtime, minus gRPC
         spec = load_spec(model_dir)
         self.prompts = PromptBuilder(spec)
-        self.encoder = VisionEncoder(spec, device, dtype)
+        self.encoder = VisionEncoder(spec, device, dtype, graphs_up_to=max_vision_batch)  # as the server's default
         self.batcher = VisionBatcher(self.encoder, max_vision_batch)
         self.engine: Engine = build_engine(
             engine,

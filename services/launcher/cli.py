@@ -40,6 +40,7 @@ MODEL_FLAGS = ("model", "device", "dtype", "threads", "memory_watermarks")  # to
 VISION_FLAGS = (
     "vision_engine",
     "max_vision_batch",
+    "vision_graphs",
     "ready_signal",
     "arena_slots",
     "feature_cache_mib",

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from services.common.buckets import batch_buckets
 from services.llm.attention import DecodeAttention, page_slots
 from services.llm.kv_cache import PagedKvCache
 from services.model.llama import LlamaDecoder
@@ -32,15 +33,6 @@ def ban_eos(logits: torch.Tensor, eos: torch.Tensor | None, ban: torch.Tensor) -
         return
     eos_logits = logits.index_select(1, eos)
     logits.index_copy_(1, eos, torch.where(ban[:, None].bool(), float("-inf"), eos_logits))
-
-
-def buckets_for(max_batch: int) -> list[int]:
-    """Captured batch sizes: powers of two below max_batch, and max_batch itself."""
-    sizes, b = [], 1
-    while b < max_batch:
-        sizes.append(b)
-        b *= 2
-    return [*sizes, max_batch]
 
 
 class DecodeStep:
@@ -59,7 +51,7 @@ class DecodeStep:
         device = self.tokens.device
         self.logits = torch.zeros(max_batch, model.lm_head.out_features, device=device)
         self.greedy = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.buckets = buckets_for(max_batch)
+        self.buckets = batch_buckets(max_batch)
         # A compiled layer keeps an entry per bucket (and per engine, in a process that builds
         # several, as the tests do): past dynamo's limit (8) it would fall back to eager flex,
         # which is wrong for this block mask and cannot be captured. Keep well clear of it.

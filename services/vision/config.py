@@ -30,6 +30,12 @@ class VisionConfig:
     max_batch: int = flag(
         "--max-vision-batch", default=DEFAULT_MAX_BATCH, help="images per ViT forward (default %(default)s)"
     )
+    graphs: bool = flag(
+        "--vision-graphs",
+        default=True,
+        help="on CUDA, capture the ViT and projector in a CUDA graph per batch size (1, 2, 4, ... "
+        "--max-vision-batch) before ready; --no-vision-graphs runs them eagerly (default %(default)s)",
+    )
     arena_slots: int = flag("--arena-slots", default=64, help="feature slots in the arena (default %(default)s)")
     lease_ttl_s: float = flag(
         "--lease-ttl-s",

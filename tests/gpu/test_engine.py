@@ -239,3 +239,19 @@ def test_the_quantized_7b_cut_runs_through_graphs_and_the_demo_model_still_sees(
     right = sum(box["text"] == p.answer(prompt) for (_, box), p, (_, prompt) in zip(pairs, pics, cases, strict=True))
     print(f"demo model, int8 on CUDA: {right} of 24 right")
     assert right >= 22
+
+
+def test_the_vision_tower_in_cuda_graphs_equals_it_eager_fp32(cut_preset):
+    """--vision-graphs (the default on CUDA): each batch bucket replays a captured graph."""
+    from services.model.spec import load_spec
+    from services.vision.encoder import VisionEncoder
+
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    spec = load_spec(cut_preset)
+    graphed = VisionEncoder(spec, "cuda", "float32", graphs_up_to=4)
+    assert graphed.graphed is not None and graphed.graphed.buckets == [1, 2, 4]
+    pixels = torch.stack([graphed.pixels(image_bytes(300 + i)) for i in range(3)])
+    eager = VisionEncoder(spec, "cuda", "float32")
+    want = eager.encode(pixels)
+    for n in (1, 2, 3):
+        torch.testing.assert_close(graphed.encode(pixels[:n]), want[:n], atol=1e-4, rtol=1e-4)

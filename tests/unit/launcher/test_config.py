@@ -67,6 +67,7 @@ CUSTOM = {
         server=custom_server(0),
         model=MODEL,
         max_batch=7,
+        graphs=False,
         arena_slots=9,
         feature_cache_mib=7.5,
         lease_ttl_s=0.5,

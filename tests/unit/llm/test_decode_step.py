@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from services.common.buckets import batch_buckets
 from services.llm.attention import FlexDecode, GatherDecode
-from services.llm.decode import DecodeStep, buckets_for
+from services.llm.decode import DecodeStep
 from services.llm.kv_cache import PagedKvCache
 from services.model.checkpoint import load_decoder
 from services.model.llama import rope_tables
@@ -66,9 +67,9 @@ def test_compiled_flex_step_equals_the_eager_gather_step(tiny_model):
 
 
 def test_buckets():
-    assert buckets_for(1) == [1]
-    assert buckets_for(8) == [1, 2, 4, 8]
-    assert buckets_for(12) == [1, 2, 4, 8, 12]
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(12) == [1, 2, 4, 8, 12]
 
 
 def test_compiled_prefill_halves_equal_eager_for_any_token_count(tiny_model):
