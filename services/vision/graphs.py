@@ -1,8 +1,9 @@
 """The vision tower (ViT + projector) in CUDA graphs, one per batch bucket.
 
-Eager, the tower launches some fifteen kernels per ViT layer from Python: for one 336-pixel
-image on the H200 that launching, not the GPU, set the vision stage (about 12 ms p50 for what
-is little more than a millisecond of kernels). Captured, a batch is one replay.
+Eager, the tower launches some fifteen kernels per ViT layer from Python. For one 336-pixel
+image the H200's vision stage was about 12 ms p50 (docs/PERF.md), where the matmuls' compute
+floor is about half a millisecond (0.35 TFLOP at the bf16 rate): the launching, not the GPU,
+sets it (an estimate; not profiled). Captured, a batch is one replay.
 
 A batch of n images is copied into the first n rows of a static input, the smallest captured
 bucket b >= n replays (rows n..b hold whatever they held: an image's features depend on its
