@@ -22,6 +22,7 @@ from services.common import eventloop, telemetry
 from services.common.config import ServerConfig
 from services.common.errors import MeshError
 from services.common.logs import setup_logging
+from services.common.undecodable import RefuseUndecodable
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ async def start_server(
     when one is given (after SERVING, so the file's presence means "ready"), with
     `other_ports` (e.g. {"http_port": 8000}: ports the service bound itself, before this).
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=telemetry.server_interceptors())
+    interceptors = [RefuseUndecodable(), *telemetry.server_interceptors()]
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     for add in register:
         add(server)
     health_servicer = health.aio.HealthServicer()

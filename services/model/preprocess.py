@@ -124,8 +124,14 @@ def _center_crop(arr: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     return arr[top : top + ch, left : left + cw]
 
 
-def crop(img: Image.Image, cfg: ImageProcessorConfig) -> torch.Tensor:
-    """PIL image -> its resized, center-cropped pixels [S, S, 3] uint8 (what Pillow computes)."""
+def crop(
+    img: Image.Image, cfg: ImageProcessorConfig, max_pixels: int = MAX_IMAGE_PIXELS, name: str = "image data"
+) -> torch.Tensor:
+    """PIL image -> its resized, center-cropped pixels [S, S, 3] uint8 (what Pillow computes).
+
+    INVALID_ARGUMENT naming `name` when the resize would exceed `max_pixels`: the shortest edge
+    goes to the processor's size, so a sliver of a picture (1 x 3,000,000) would grow a thousandfold.
+    """
     if cfg.do_convert_rgb and img.mode != "RGB":
         img = img.convert("RGB")
     if cfg.do_resize:
@@ -135,6 +141,12 @@ def crop(img: Image.Image, cfg: ImageProcessorConfig) -> torch.Tensor:
             short, long = sorted((img.height, img.width))
             new_short, new_long = cfg.shortest_edge, int(cfg.shortest_edge * long / short)
             new_h, new_w = (new_short, new_long) if img.height <= img.width else (new_long, new_short)
+        if new_h * new_w > max_pixels:
+            raise InvalidArgument(
+                f"{name} is {img.width}x{img.height}: resized to a shortest edge of {cfg.shortest_edge} it would be "
+                f"{new_w}x{new_h} pixels; the limit is {max_pixels} (an aspect ratio of at most "
+                f"{max_pixels // cfg.shortest_edge**2}:1)"
+            )
         img = img.resize((new_w, new_h), resample=cfg.resample)
     arr = np.asarray(img)  # [h, w, 3] uint8
     if cfg.do_center_crop:

@@ -42,7 +42,7 @@ class VisionEncoder:
     def pixels(self, data: bytes, name: str = "image data") -> torch.Tensor:
         """Image bytes -> resized, cropped pixels [S, S, 3] (CPU, uint8). Raises InvalidArgument naming `name`."""
         img: Image.Image = decode_image(data, name=name)
-        return crop(img, self.processor)
+        return crop(img, self.processor, name=name)
 
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
