@@ -13,6 +13,7 @@ import grpc
 
 from services.common.qos import QOS_METADATA_KEY, QosLevel
 from services.common.server import GRPC_OPTIONS
+from services.common.tls import sync_channel
 from services.common.validation import (
     API_KEY_ENV,
     MAX_STOP_STRINGS,
@@ -51,6 +52,17 @@ def image_file(text: str) -> Path:
     if not path.exists():
         raise argparse.ArgumentTypeError(f"{text}: no such file")
     return path
+
+
+def pem_file(text: str) -> str:
+    """An argparse `type=` for --tls-ca: a readable PEM file."""
+    try:
+        data = Path(text).read_bytes()
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"{text}: cannot read it: {err.strerror or err}") from None
+    if b"-----BEGIN " not in data:
+        raise argparse.ArgumentTypeError(f"{text}: not a PEM file")
+    return text
 
 
 def call_metadata(qos: str, key: str | None) -> tuple[tuple[str, str], ...]:
@@ -97,9 +109,12 @@ def generate(
     timeout: float | None,
     out=sys.stdout,
     api_key: str | None = None,
+    tls_ca: str | None = None,
 ) -> gateway_pb2.GenerateResponse:
-    """Stream one request, writing text as it arrives; return the final message."""
-    with grpc.insecure_channel(target, options=GRPC_OPTIONS) as channel:
+    """Stream one request, writing text as it arrives; return the final message. `tls_ca`: TLS,
+    verifying the gateway against this CA (PEM file); None: plaintext."""
+    creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
+    with sync_channel(target, creds, options=GRPC_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         final = None
         for msg in stub.Generate(request, metadata=call_metadata(qos, api_key), timeout=timeout):
@@ -155,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float_in(0.0, lo_open=True), default=60.0, help="deadline in seconds (default %(default)s)"
     )
     p.add_argument("--timings", action="store_true", help="print the per-stage breakdown after the answer")
+    p.add_argument(
+        "--tls-ca",
+        type=pem_file,
+        default=None,
+        metavar="PEM",
+        help="connect with TLS, verifying the gateway against this CA (e.g. the one vlmesh up --tls-throwaway-ca "
+        "prints); default: plaintext",
+    )
     return p
 
 
@@ -169,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"argument --stop: {len(args.stop)} given, at most {MAX_STOP_STRINGS}")
     request = build_request(args.image, args.prompt, args.max_tokens, args.temperature, args.seed, args.stop)
     start = time.perf_counter()
-    final = generate(args.target, request, args.qos_level, args.timeout, api_key=args.api_key)
+    final = generate(args.target, request, args.qos_level, args.timeout, api_key=args.api_key, tls_ca=args.tls_ca)
     wall = (time.perf_counter() - start) * 1000
     if final is None:
         print("vlmesh generate: error: the gateway ended the stream without a final message", file=sys.stderr)

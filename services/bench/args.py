@@ -150,6 +150,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help="the native engine's prefix KV reuse (mesh); --no-prefix-cache switches it off (default on)",
     )
     p.add_argument(
+        "--tls",
+        action="store_true",
+        help="start the mesh with TLS on every hop (vlmesh up --tls-throwaway-ca) and connect with TLS (mesh)",
+    )
+    p.add_argument(
         "--quantize",
         default="none",
         choices=QUANTIZATIONS,
@@ -177,6 +182,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     args = parser.parse_args(argv)
     if args.warmup >= args.duration:
         parser.error(f"argument --warmup: {args.warmup:g} must be less than --duration {args.duration:g}")
+    if args.tls and (args.gateway or set(args.target) - {"mesh"}):
+        parser.error("argument --tls: only with --target mesh, the mesh it starts itself (not with --gateway)")
     if "mesh-http" in args.target and args.gateway and not args.gateway_http:
         parser.error("argument --target: mesh-http with --gateway needs --gateway-http URL (the gateway's HTTP door)")
     return args

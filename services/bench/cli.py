@@ -87,7 +87,7 @@ async def run_target(name: str, args, workloads, rates, qos_mix, tokenizer, endp
     from services.bench.targets import HfTarget, InprocessTarget, MeshTarget
 
     if name == "mesh":
-        target = MeshTarget(endpoints["mesh"], args.api_key)
+        target = MeshTarget(endpoints["mesh"], args.api_key, endpoints.get("mesh-ca"))
     elif name == "mesh-http":
         target = OpenAiTarget(endpoints["mesh-http"], name, model="", api_key=args.api_key)
     elif name == "vllm":
@@ -197,11 +197,14 @@ def serve(name: str, args, say, http: bool = False):
                 warmup_requests=4,
                 log_level="warning",
                 http_port=0 if http else -1,
+                tls_throwaway_ca=args.tls,
             )
         )
         try:
             mesh.start(progress=say)
             endpoints = {"mesh": mesh.target("gateway"), **({"mesh-http": mesh.http_url()} if http else {})}
+            if args.tls:
+                endpoints["mesh-ca"] = mesh.opts.gateway.server.tls_ca
             yield endpoints, [c.proc.pid for c in mesh.children]
         finally:
             mesh.stop()

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -15,6 +16,7 @@ from services.bench.workloads import BenchRequest
 from services.common.qos import QOS_METADATA_KEY
 from services.common.server import GRPC_OPTIONS
 from services.common.timings import Timings
+from services.common.tls import aio_channel
 from services.common.validation import api_key_metadata
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
@@ -67,10 +69,12 @@ def mesh_metadata(qos: str, api_key: str | None) -> tuple[tuple[str, str], ...]:
 class MeshTarget:
     name = "mesh"
 
-    def __init__(self, gateway: str, api_key: str | None = None) -> None:
+    def __init__(self, gateway: str, api_key: str | None = None, tls_ca: str | None = None) -> None:
+        """`tls_ca`: TLS to the gateway, verified against this CA (PEM file); None: plaintext."""
         self.gateway = gateway
         self._api_key = api_key  # sent as `authorization: Bearer KEY`; never logged or recorded
-        self.channel = grpc.aio.insecure_channel(gateway, options=GRPC_OPTIONS)
+        creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
+        self.channel = aio_channel(gateway, creds, options=GRPC_OPTIONS)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     async def send(self, req: BenchRequest) -> Outcome:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from services.common import eventloop
+from services.common import eventloop, tls
 from services.common.flags import flag
 from services.common.logs import LOG_FORMATS, LOG_LEVELS
 from services.common.memory import Watermarks, parse_watermarks
@@ -83,9 +83,34 @@ class ServerConfig:
         "With --port 0 this is how a launcher learns a free port without racing another process for it",
     )
 
+    tls_cert: str = flag(
+        "--tls-cert",
+        default="",
+        metavar="PEM",
+        help="serve TLS with this certificate (chain) and --tls-key; the vision and llm with --tls-ca also "
+        "require callers' certificates (mTLS). Empty: plaintext (default %(default)r)",
+    )
+    tls_key: str = flag("--tls-key", default="", metavar="PEM", help="the private key of --tls-cert")
+    tls_ca: str = flag(
+        "--tls-ca",
+        default="",
+        metavar="PEM",
+        help="the mesh's CA: this service's own calls to the others verify them against it and present "
+        "--tls-cert; the vision and llm accept only callers whose certificate it signed (default %(default)r)",
+    )
+
     def check(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a TCP port (0 picks a free one)")
+        tls.check_files(self.tls_cert, self.tls_key, self.tls_ca)
+
+    def server_credentials(self, require_client: bool):
+        """grpc.ServerCredentials for this port (None: plaintext); see services/common/tls.py."""
+        return tls.server_credentials(self.tls_cert, self.tls_key, self.tls_ca, require_client)
+
+    def channel_credentials(self):
+        """grpc.ChannelCredentials for this service's calls to the mesh's others (None: plaintext)."""
+        return tls.channel_credentials(self.tls_cert, self.tls_key, self.tls_ca)
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port {self.metrics_port}: a TCP port, 0 for a free one, -1 for none")
         if self.grace_s < 0:

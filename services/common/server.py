@@ -102,12 +102,14 @@ async def start_server(
     register: Iterable[Callable[[grpc.aio.Server], None]],
     service_names: Iterable[str],
     other_ports: Mapping[str, int] | None = None,
+    public: bool = False,
 ) -> RunningServer:
     """Bind, register the servicers plus health and reflection, start, and report SERVING.
 
     Port 0 picks a free port; the bound one is returned, and written to `cfg.port_file`
     when one is given (after SERVING, so the file's presence means "ready"), with
     `other_ports` (e.g. {"http_port": 8000}: ports the service bound itself, before this).
+    TLS with --tls-cert; callers' certificates required with --tls-ca unless `public` (the gateway).
     """
     interceptors = [RefuseUndecodable(), *telemetry.server_interceptors()]
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
@@ -120,8 +122,9 @@ async def start_server(
         (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
     address = f"{cfg.host}:{cfg.port}"
+    creds = cfg.server_credentials(require_client=not public)
     try:
-        bound = server.add_insecure_port(address)
+        bound = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
     except RuntimeError:  # grpcio raises instead of returning 0 since 1.5x
         bound = 0
     if bound == 0:

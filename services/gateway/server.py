@@ -26,7 +26,13 @@ def load_tenants(cfg: gateway_config.GatewayConfig, environ=os.environ) -> Tenan
 async def serve(cfg: gateway_config.GatewayConfig) -> None:
     tenants = load_tenants(cfg)
     servicer = GatewayServicer(
-        cfg.vision_target, cfg.llm_target, cfg.max_images, tenants, cfg.admission, access_log=cfg.access_log
+        cfg.vision_target,
+        cfg.llm_target,
+        cfg.max_images,
+        tenants,
+        cfg.admission,
+        access_log=cfg.access_log,
+        peer_credentials=cfg.server.channel_credentials(),
     )
     http = await start_http(cfg, servicer) if cfg.http.port >= 0 else None
     running = await start_server(
@@ -34,14 +40,16 @@ async def serve(cfg: gateway_config.GatewayConfig) -> None:
         [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],
         [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
         other_ports={"http_port": http[1].port} if http else None,
+        public=True,
     )
     log.info(
-        "gateway serving on %s:%d (vision %s, llm %s)%s",
+        "gateway serving %s on %s:%d (vision %s, llm %s)%s",
+        "TLS" if cfg.server.tls_cert else "plaintext",
         cfg.server.host,
         running.port,
         cfg.vision_target,
         cfg.llm_target,
-        f"; OpenAI-compatible HTTP on http://{cfg.server.host}:{http[1].port}/v1" if http else "",
+        f"; OpenAI-compatible HTTP on {http[1].scheme}://{cfg.server.host}:{http[1].port}/v1" if http else "",
     )
 
     async def drain_http() -> None:
@@ -61,7 +69,8 @@ async def start_http(cfg: gateway_config.GatewayConfig, servicer: GatewayService
     from services.gateway.http.server import HttpServer
 
     api = OpenAiApi(servicer, cfg.http)
-    server = HttpServer(api.app, cfg.server.host, cfg.http.port, cfg.server.grace_s)
+    tls = cfg.server.tls_cert, cfg.server.tls_key
+    server = HttpServer(api.app, cfg.server.host, cfg.http.port, cfg.server.grace_s, *tls)
     await server.start()
     return api, server
 

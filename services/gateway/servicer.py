@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from services.common.qos import QosLevel, metadata_value, qos_from_metadata, qos
 from services.common.sampling import Sampling
 from services.common.server import INTERNAL_OPTIONS
 from services.common.timings import Timings
+from services.common.tls import aio_channel
 from services.common.validation import check_conversation, check_images, check_sampling
 from services.gateway.access_log import AccessLog, Entry
 from services.gateway.admission import Admission, AdmissionConfig, Ticket
@@ -64,17 +66,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         tenants: TenantRegistry | None = None,
         admission: AdmissionConfig | None = None,
         access_log: bool = True,
+        peer_credentials: grpc.ChannelCredentials | None = None,  # mTLS to vision and llm (services/common/tls.py)
     ) -> None:
         self.tenants = tenants
         self.access = AccessLog(access_log)
         self.admission = Admission(admission or AdmissionConfig())
         interceptors = telemetry.client_interceptors()  # W3C trace context into the metadata
-        self.vision = vision_pb2_grpc.VisionStub(
-            grpc.aio.insecure_channel(vision_target, options=INTERNAL_OPTIONS, interceptors=interceptors)
-        )
-        self.llm = llm_pb2_grpc.LlmStub(
-            grpc.aio.insecure_channel(llm_target, options=INTERNAL_OPTIONS, interceptors=interceptors)
-        )
+        channel = functools.partial(aio_channel, creds=peer_credentials, options=INTERNAL_OPTIONS)
+        self.vision = vision_pb2_grpc.VisionStub(channel(vision_target, interceptors=interceptors))
+        self.llm = llm_pb2_grpc.LlmStub(channel(llm_target, interceptors=interceptors))
         self.max_images = max_images
         self._llm_info: pb.ServiceInfo | None = None
         self._background: set[asyncio.Task] = set()

@@ -35,7 +35,10 @@ from services.vision.config import VisionConfig
 SERVICES = ("gateway", "vision", "llm")
 # The service flags `vlmesh up` takes and passes on, by dest; each is declared once, in its
 # service's config (services/*/config.py), with its default and help.
-SERVER_FLAGS = ("host", "log_level", "log_format", "event_loop", "grace_s", "switch_interval_ms")  # to all three
+SERVER_FLAGS = (  # to all three
+    *("host", "log_level", "log_format", "event_loop", "grace_s", "switch_interval_ms"),
+    *("tls_cert", "tls_key", "tls_ca"),
+)
 MODEL_FLAGS = ("model", "device", "dtype", "threads", "memory_watermarks")  # to vision and llm
 VISION_FLAGS = (
     "vision_engine",
@@ -191,6 +194,8 @@ def up(argv: list[str] | None = None) -> int:
                 mesh.start(_say)
                 http = f"; OpenAI-compatible HTTP on {mesh.http_url()}" if mesh.http_port else ""
                 print(f"gateway ready on {mesh.target('gateway')}{http}", flush=True)
+                if options.tls_throwaway_ca:
+                    _say(f"TLS on every hop; clients verify the gateway with {mesh.opts.gateway.server.tls_ca}")
             ready = True
             mesh.wait(_say)
             _say("stopping")
@@ -225,9 +230,14 @@ def _checked_options(argv: Sequence[str]) -> MeshOptions:
         options = options_from_args(args)  # a bad flag value fails here, not in a child
     except ValueError as err:
         p.error(str(err))
+    tls = options.tls_throwaway_ca or options.gateway.server.tls_cert
+    if options.tls_throwaway_ca and options.gateway.server.tls_cert:
+        p.error("--tls-throwaway-ca makes its own certificate: not with --tls-cert")
     if options.variants:
         if options.gateway.http.port >= 0:
             p.error("--http-port: not with --variants yet (Envoy routes gRPC only); use a worker's gateway")
+        if tls:
+            p.error("TLS: not with --variants yet (the local Envoy speaks plaintext to the workers)")
         try:
             parse_variants(options.variants)
             envoy_binary()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.tls import sync_channel
 from services.launcher.ports import MeshError
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class Watch:
         code = child.proc.poll()
         if code is not None:
             return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        status = health_status(self.mesh.target(child.name), timeout=HEALTH_TIMEOUT_S)
+        status = health_status(self.mesh.target(child.name), HEALTH_TIMEOUT_S, self.mesh.credentials())
         if status == health_pb2.HealthCheckResponse.SERVING:
             self._misses[child.name] = 0
             self._streak[child.name] = 0
@@ -103,10 +104,11 @@ class Watch:
         log.info("restarted %s", child.name)
 
 
-def health_status(target: str, timeout: float = 1.0) -> int:
-    """A server's overall status on the standard health service (UNKNOWN when it does not answer)."""
+def health_status(target: str, timeout: float = 1.0, creds: grpc.ChannelCredentials | None = None) -> int:
+    """A server's overall status on the standard health service (UNKNOWN when it does not answer);
+    `creds`: the mesh's mTLS (services/common/tls.py)."""
     try:
-        with grpc.insecure_channel(target) as channel:
+        with sync_channel(target, creds) as channel:
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             return resp.status
     except grpc.RpcError:

@@ -28,10 +28,11 @@ from grpc_health.v1 import health_pb2
 from services.common.config import WARMUP_KEY_ENV
 from services.common.flags import flag, to_argv
 from services.gateway.config import GatewayConfig
+from services.launcher.certs import make_throwaway, with_tls
 from services.launcher.ports import MeshError, RunDir, check_ports
 from services.launcher.process import signals_held, spawn
 from services.launcher.restarts import TICK_S, Watch, health_status
-from services.launcher.warmup import warmup_images
+from services.launcher.warmup import warm_up, warmup_images
 from services.llm.config import LlmConfig
 from services.vision.config import VisionConfig
 
@@ -79,6 +80,13 @@ class MeshOptions:
         "--restart-window-s (backoff 0.5 s doubling to 8 s); past that, or with 0, a death stops the mesh "
         "(default %(default)s)",
     )
+    tls_throwaway_ca: bool = flag(
+        "--tls-throwaway-ca",
+        default=False,
+        help="make a CA and a certificate for this run (local use: nothing else trusts them) and run TLS "
+        "on the public port and mTLS between the services; clients verify with the CA it prints "
+        "(default %(default)s)",
+    )
     restart_window_s: float = flag(
         "--restart-window-s", default=300.0, help="the window --restarts counts in (default %(default)s s)"
     )
@@ -108,6 +116,10 @@ class Mesh:
     """The three processes of one local worker plus its gateway."""
 
     def __init__(self, opts: MeshOptions) -> None:
+        self._run = RunDir()
+        if opts.tls_throwaway_ca:
+            hosts = [cfg.server.host for cfg in opts.configs().values()]
+            opts = with_tls(opts, *make_throwaway(self._run.path, hosts))
         self.opts = opts
         self.children: list[Child] = []
         self.configs = opts.configs()
@@ -116,7 +128,6 @@ class Mesh:
         self.ports = {name: cfg.server.port for name, cfg in self.configs.items()}
         self.metrics_ports = {name: cfg.server.metrics_port for name, cfg in self.configs.items()}
         self.http_port = opts.gateway.http.port if opts.gateway.http.port > 0 else None  # -1: off; 0: once bound
-        self._run = RunDir()
         self._warmup_key = secrets.token_urlsafe(32)
 
     def target(self, name: str) -> str:
@@ -129,7 +140,8 @@ class Mesh:
         """The gateway's OpenAI-compatible base URL (http://HOST:PORT/v1), once it serves with --http-port."""
         if not self.http_port:
             raise MeshError("the gateway serves no HTTP (--http-port -1), or does not serve yet")
-        return f"http://{self.configs['gateway'].server.host}:{self.http_port}/v1"
+        scheme = "https" if self.opts.gateway.server.tls_cert else "http"
+        return f"{scheme}://{self.configs['gateway'].server.host}:{self.http_port}/v1"
 
     def _where(self, name: str) -> str:
         host = self.configs[name].server.host
@@ -186,7 +198,10 @@ class Mesh:
                 self.metrics_ports[child.name] = bound["metrics_port"]
                 if "http_port" in bound:
                     self.http_port = bound["http_port"]
-                if health_status(self.target(child.name)) == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    health_status(self.target(child.name), creds=self.credentials())
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     pending.remove(child)
             time.sleep(0.1)
 
@@ -224,32 +239,13 @@ class Mesh:
         return new
 
     def warm_up(self, progress=print) -> None:
-        from services.client import build_request
-        from vlmesh.v1 import gateway_pb2_grpc
+        """--warmup-requests requests through the whole mesh (services/launcher/warmup.py)."""
+        pictures = warmup_images(self.opts.warmup_images, self._run.path)
+        warm_up(self, pictures, self.opts.warmup_requests, self._warmup_key, progress)
 
-        n = self.opts.warmup_requests
-        if n <= 0:
-            return
-        images = warmup_images(self.opts.warmup_images, self._run.path)
-        # Under --tenants the gateway takes this run's own key (WARMUP_KEY_ENV) as an internal tenant;
-        # without, auth is off and the header is ignored.
-        auth = [("authorization", f"Bearer {self._warmup_key}")]
-        progress(f"warming up: {n} requests through the mesh")
-        start = time.perf_counter()
-        with grpc.insecure_channel(self.target("gateway")) as channel:
-            stub = gateway_pb2_grpc.GatewayStub(channel)
-            for i in range(n):
-                self.check_alive()
-                path = images[i % len(images)]
-                req = build_request(path, "What is in the image?", 4, None, None, [])
-                try:
-                    stub.GenerateUnary(req, metadata=auth, timeout=self.opts.start_timeout_s)
-                except grpc.RpcError as err:
-                    self.check_alive()
-                    raise MeshError(
-                        f"warm-up request {i + 1} with {path} failed: {err.code().name}: {err.details()}"
-                    ) from err
-        progress(f"warm-up done in {time.perf_counter() - start:.1f}s")
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """What the launcher's own calls present and verify with (mTLS; None: plaintext)."""
+        return self.opts.gateway.server.channel_credentials()
 
     def wait(self, progress=print) -> None:
         """Serve until SIGINT or SIGTERM (returns), restarting children that die or stall

@@ -30,7 +30,14 @@ async def serve(cfg: llm_config.LlmConfig) -> None:
     )
     memory = MemoryGuard.for_device("llm", device, cfg.model.memory_watermarks)
     servicer = LlmServicer(
-        engine, spec, cfg.default_max_tokens, cfg.vision_target, cfg.vision_port_file, memory, cfg.variant
+        engine,
+        spec,
+        cfg.default_max_tokens,
+        cfg.vision_target,
+        cfg.vision_port_file,
+        memory,
+        cfg.variant,
+        vision_credentials=cfg.server.channel_credentials(),
     )
     try:
         running = await start_server(

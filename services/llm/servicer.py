@@ -25,6 +25,7 @@ from services.common.memory import MemoryGuard, Watermarks
 from services.common.qos import qos_from_metadata
 from services.common.server import INTERNAL_OPTIONS
 from services.common.timings import Timings
+from services.common.tls import aio_channel
 from services.common.validation import check_conversation, check_sampling
 from services.handoff.consumer import Consumer
 from services.handoff.wire import transport_name
@@ -49,6 +50,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
         vision_port_file: str | None = None,
         memory: MemoryGuard | None = None,
         variant: str = "full",
+        vision_credentials: grpc.ChannelCredentials | None = None,  # mTLS for lease releases
     ):
         self.engine = engine
         self.variant = variant  # what Info reports, and the gateway names in each answer
@@ -57,7 +59,11 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
         self.memory = memory or MemoryGuard("llm", None, Watermarks())
         self.spec = spec
         self.default_max_tokens = default_max_tokens
-        vision = VisionPeer(vision_target, vision_port_file) if vision_target or vision_port_file else None
+        vision = (
+            VisionPeer(vision_target, vision_port_file, vision_credentials)
+            if vision_target or vision_port_file
+            else None
+        )
         # Opens the features' references; hands their leases back to the vision (without one, the TTL does).
         self.consumer = Consumer(engine.device, vision, release_timeout_s=5)
 
@@ -170,9 +176,9 @@ class VisionPeer:
     and the host (--vision-target). Requests, and so releases, come only after both serve.
     """
 
-    def __init__(self, target: str | None, port_file: str | None) -> None:
-        self._target = target
-        self._port_file = port_file
+    def __init__(self, target: str | None, port_file: str | None, creds: grpc.ChannelCredentials | None) -> None:
+        """`creds`: mTLS to the vision (services/common/tls.py); None: plaintext."""
+        self._target, self._port_file, self._creds = target, port_file, creds
         self._stub: vision_pb2_grpc.VisionStub | None = None
 
     def _resolve(self) -> str | None:
@@ -190,8 +196,8 @@ class VisionPeer:
             target = self._resolve()
             if target is None:
                 return None
-            channel = grpc.aio.insecure_channel(
-                target, options=INTERNAL_OPTIONS, interceptors=telemetry.client_interceptors()
+            channel = aio_channel(
+                target, self._creds, options=INTERNAL_OPTIONS, interceptors=telemetry.client_interceptors()
             )
             self._stub = vision_pb2_grpc.VisionStub(channel)
             log.info("releasing feature leases to the vision at %s", target)

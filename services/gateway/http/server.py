@@ -24,14 +24,18 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """An ASGI app served on HOST:PORT until `stop`."""
 
-    def __init__(self, app, host: str, port: int, grace_s: float) -> None:
+    def __init__(self, app, host: str, port: int, grace_s: float, tls_cert: str = "", tls_key: str = "") -> None:
+        """`tls_cert`, `tls_key`: serve HTTPS (the gateway's --tls-cert and --tls-key)."""
         self.host, self.port = host, port
+        self.scheme = "https" if tls_cert else "http"
         config = uvicorn.Config(
             app,
             log_config=None,  # the gateway's logging stays as it is
             access_log=False,  # the gateway writes its own access log line per request
             lifespan="off",
             timeout_graceful_shutdown=max(1, int(grace_s)),
+            ssl_certfile=tls_cert or None,
+            ssl_keyfile=tls_key or None,
         )
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
