@@ -28,7 +28,6 @@ from grpc_health.v1 import health_pb2
 from services.common.config import WARMUP_KEY_ENV
 from services.common.flags import flag, to_argv
 from services.gateway.config import GatewayConfig
-from services.launcher.certs import make_throwaway, with_tls
 from services.launcher.ports import MeshError, RunDir, check_ports
 from services.launcher.process import signals_held, spawn
 from services.launcher.restarts import TICK_S, Watch, health_status
@@ -117,7 +116,9 @@ class Mesh:
 
     def __init__(self, opts: MeshOptions) -> None:
         self._run = RunDir()
-        if opts.tls_throwaway_ca:
+        if opts.tls_throwaway_ca:  # cryptography loads only then (a GPU host may lack it)
+            from services.launcher.certs import make_throwaway, with_tls
+
             hosts = [cfg.server.host for cfg in opts.configs().values()]
             opts = with_tls(opts, *make_throwaway(self._run.path, hosts))
         self.opts = opts
