@@ -116,7 +116,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 entry.qos = qos.wire
                 telemetry.annotate({"qos.level": qos.wire}, root)
                 if tenant is not None and not tenant.internal:  # the warm-up is no tenant's usage
-                    self.tenants.admit(tenant, qos)
+                    self.tenants.admit(tenant, qos, request.images)
                     charged = tenant  # refunded below if the request is refused after all
                 if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                     raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
@@ -142,30 +142,32 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 ticket = self.admission.admit(qos, context.time_remaining(), max(1, surely))
             except MeshError as err:
                 if charged is not None:
-                    charged.requests.refund(1.0)
+                    self.tenants.refund(charged)
                 reason = err.reason or REFUSAL_REASONS.get(err.code, err.code.name.lower())
                 level = qos.wire if qos is not None else "unknown"
                 metrics.REJECTIONS.labels("gateway", level, reason).inc()
                 telemetry.annotate({"admission.decision": "refused", "admission.reason": reason}, span)
                 raise
             telemetry.annotate({"admission.decision": "admitted"}, span)
-        await context.send_initial_metadata(((VARIANT_METADATA_KEY, info.variant),))  # who serves it
-        telemetry.annotate(
-            {
-                "model.id": info.model_id,
-                "model.variant": info.variant,
-                "gen_ai.request.model": info.model_id,
-                "gen_ai.request.max_tokens": sampling.max_tokens,
-                "gen_ai.request.temperature": sampling.temperature,
-            }
-        )
         try:
+            await context.send_initial_metadata(((VARIANT_METADATA_KEY, info.variant),))  # who serves it
+            telemetry.annotate(
+                {
+                    "model.id": info.model_id,
+                    "model.variant": info.variant,
+                    "gen_ai.request.model": info.model_id,
+                    "gen_ai.request.max_tokens": sampling.max_tokens,
+                    "gen_ai.request.temperature": sampling.temperature,
+                }
+            )
             # aclosing: a cancelled client closes the inner generator at once (llm call, leases).
             serve = self._serve(request, context, request_id, tenant, qos, sampling, info, ticket, received)
             async with contextlib.aclosing(serve) as outputs:
                 async for out in outputs:
                     yield out
         finally:
+            if charged is not None:
+                self.tenants.done(charged)
             self.admission.finish(ticket)  # whatever the outcome; no-op after an answered request
 
     async def _serve(

@@ -4,12 +4,16 @@ Auth is on when the gateway gets `--tenants FILE` and off otherwise. The file is
 
     {"tenants": [{"id": "acme", "api_keys": ["sk-acme-1"], "max_qos": "realtime",
                   "requests_per_second": 10, "burst": 20,
-                  "output_tokens_per_second": 2000, "token_burst": 8000}]}
+                  "output_tokens_per_second": 2000, "token_burst": 8000,
+                  "max_streams": 16, "max_image_bytes": 4000000, "max_image_pixels": 12000000}]}
 
 Only `id` and `api_keys` are required; `max_qos` defaults to standard, `requests_per_second`
 to 10, `burst` to max(1, requests_per_second), and without `output_tokens_per_second` there is
-no token limit (`token_burst` defaults to it). A bad file is refused at start with a message
-naming the tenant, the field and the value.
+no token limit (`token_burst` defaults to it). The three `max_` limits are off unless given:
+requests of the tenant in flight at once (more: RESOURCE_EXHAUSTED), bytes of a request's
+images together, and pixels of each image, read from its header (more: INVALID_ARGUMENT; the
+server's own limits apply to everyone). A bad file is refused at start with a message naming
+the tenant, the field and the value.
 
 Requests carry `authorization: Bearer KEY`. A missing or unknown key is UNAUTHENTICATED, a
 class above the tenant's `max_qos` is PERMISSION_DENIED, and an empty bucket is
@@ -26,19 +30,28 @@ environment, random per run, never in the file). It authenticates the internal t
 from __future__ import annotations
 
 import hmac
+import io
 import json
 import math
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.errors import PermissionDenied, ResourceExhausted, Unauthenticated
+from PIL import Image
+
+from services.common.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unauthenticated
 from services.common.qos import QosLevel
 
 WARMUP_TENANT_ID = "vlmesh-warmup"
-FIELDS = ("id", "api_keys", "max_qos", "requests_per_second", "burst", "output_tokens_per_second", "token_burst")
+LIMITS = ("max_streams", "max_image_bytes", "max_image_pixels")
+FIELDS = (
+    *("id", "api_keys", "max_qos", "requests_per_second", "burst", "output_tokens_per_second", "token_burst"),
+    *LIMITS,
+)
+STREAM_RETRY_S = 0.5  # what a request over max_streams is told to wait: about one short request
 BEARER_FORMAT = 'authorization metadata must be "Bearer <API key>"'
 
 
@@ -85,6 +98,8 @@ class Tenant:
     requests: TokenBucket
     tokens: TokenBucket | None = field(default=None)
     internal: bool = False  # the launcher's warm-up: no limits, not charged
+    limits: dict[str, int] = field(default_factory=dict)  # the LIMITS given
+    in_flight: int = 0  # its requests admitted and not yet answered
 
 
 def _number(entry: dict, name: str, default: float | None, least: float, above: bool) -> float | None:
@@ -119,6 +134,13 @@ def _tenant(entry: Any, index: int) -> tuple[Tenant, list[str]]:
         burst = _number(entry, "burst", max(1.0, rps), 1, above=False)
         tps = _number(entry, "output_tokens_per_second", None, 0, above=True)  # None: no token limit
         token_burst = _number(entry, "token_burst", tps, 0, above=True)
+        limits = {}
+        for limit in LIMITS:
+            value = _number(entry, limit, None, 1, above=False)
+            if value is not None:
+                if value != int(value):
+                    raise ValueError(f"{limit} must be a whole number, got {entry[limit]!r}")
+                limits[limit] = int(value)
     except ValueError as err:
         raise ValueError(f"tenant {json.dumps(name)}: {err}") from None
     tenant = Tenant(
@@ -126,6 +148,7 @@ def _tenant(entry: Any, index: int) -> tuple[Tenant, list[str]]:
         max_qos=levels[max_qos.strip().lower()],
         requests=TokenBucket(rps, burst),
         tokens=TokenBucket(tps, token_burst) if tps is not None else None,
+        limits=limits,
     )
     return tenant, keys
 
@@ -187,9 +210,11 @@ class TenantRegistry:
         return tenant
 
     @staticmethod
-    def admit(tenant: Tenant, qos: QosLevel) -> None:
+    def admit(tenant: Tenant, qos: QosLevel, images: Sequence = ()) -> None:
+        """Charge one request (and count it in flight), or raise why not; `images`: its pb.Image list."""
         if tenant.internal:
             return
+        _check_images(tenant, images)
         if qos < tenant.max_qos:  # lower value = higher class
             raise PermissionDenied(
                 f"tenant {tenant.id!r} may use qos-level {tenant.max_qos.wire} or lower, not {qos.wire}"
@@ -198,6 +223,44 @@ class TenantRegistry:
             wait = tenant.tokens.take(0.0) if tenant.tokens.level >= 0 else -tenant.tokens.level / tenant.tokens.rate
             if wait > 0:
                 raise ResourceExhausted(f"tenant {tenant.id!r} is over its output-token rate", retry_after_s=wait)
+        streams = tenant.limits.get("max_streams")
+        if streams is not None and tenant.in_flight >= streams:
+            raise ResourceExhausted(
+                f"tenant {tenant.id!r} has {tenant.in_flight} requests in flight, its max_streams",
+                retry_after_s=STREAM_RETRY_S,
+            )
         wait = tenant.requests.take(1.0)
         if wait > 0:
             raise ResourceExhausted(f"tenant {tenant.id!r} is over its request rate", retry_after_s=wait)
+        tenant.in_flight += 1
+
+    @staticmethod
+    def refund(tenant: Tenant) -> None:
+        """An admitted request was refused after all: its request token back, no longer in flight."""
+        tenant.requests.refund(1.0)
+        tenant.in_flight -= 1
+
+    @staticmethod
+    def done(tenant: Tenant) -> None:
+        """An admitted request has ended, however."""
+        tenant.in_flight -= 1
+
+
+def _check_images(tenant: Tenant, images: Sequence) -> None:
+    """INVALID_ARGUMENT when the request's images are over the tenant's byte or pixel limits."""
+    limit = tenant.limits.get("max_image_bytes")
+    total = sum(len(img.data) for img in images)
+    if limit is not None and total > limit:
+        raise InvalidArgument(f"the images are {total} bytes; tenant {tenant.id!r} may send at most {limit}")
+    limit = tenant.limits.get("max_image_pixels")
+    for i, img in enumerate(images if limit is not None else ()):
+        try:
+            with Image.open(io.BytesIO(img.data)) as opened:  # the header only, not the pixels
+                width, height = opened.size
+        except Exception:  # unreadable: the vision names what is wrong with it
+            continue
+        if width * height > limit:
+            pixels = width * height
+            raise InvalidArgument(
+                f"images[{i}] is {width}x{height} = {pixels} pixels; tenant {tenant.id!r} allows {limit}"
+            )

@@ -90,13 +90,13 @@ def fake_vision(**options) -> FakeVision:
 
 
 @contextlib.asynccontextmanager
-async def gateway_service(vision: FakeVision, llm: FakeLlm, admission: AdmissionConfig | None = None):
+async def gateway_service(vision: FakeVision, llm: FakeLlm, admission: AdmissionConfig | None = None, tenants=None):
     """(stub, servicer): the real GatewayServicer on a local port, in front of the two fakes."""
     async with (
         local_server(vision_pb2_grpc.add_VisionServicer_to_server, vision) as vision_target,
         local_server(llm_pb2_grpc.add_LlmServicer_to_server, llm) as llm_target,
     ):
-        servicer = GatewayServicer(vision_target, llm_target, max_images=2, admission=admission)
+        servicer = GatewayServicer(vision_target, llm_target, max_images=2, tenants=tenants, admission=admission)
         async with local_server(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer) as target:
             async with grpc.aio.insecure_channel(target) as channel:
                 yield gateway_pb2_grpc.GatewayStub(channel), servicer
@@ -310,3 +310,37 @@ def test_info_is_the_llm_s_under_the_gateway_s_name():
     want.service = "gateway"
     assert first == second == want
     assert llm.info_calls == 1
+
+
+def test_a_tenant_s_max_streams_holds_while_its_requests_run_and_frees_as_they_end(tmp_path):
+    """Counted from admission to the end of the answer, however it ends; a request refused after
+    the tenant check (a bad prompt) is not counted."""
+    import json
+
+    from services.gateway.tenants import TenantRegistry
+
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps({"tenants": [{"id": "t", "api_keys": ["k"], "max_streams": 1, "burst": 10}]}))
+    tenants = TenantRegistry.load(path)
+    auth = (("authorization", "Bearer k"),)
+    vision, llm = fake_vision(), FakeLlm([STREAM[0], HANG])
+
+    async def main():
+        async with gateway_service(vision, llm, tenants=tenants) as (stub, _):
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await stub.GenerateUnary(request(prompt=" "), metadata=auth, timeout=10)
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            hanging = stub.Generate(request(), metadata=auth, timeout=10)
+            await hanging.read()
+            with pytest.raises(grpc.aio.AioRpcError) as over:
+                await stub.GenerateUnary(request(request_id="g-2"), metadata=auth, timeout=10)
+            hanging.cancel()
+            tenant = tenants.authenticate(auth)
+            assert await eventually(lambda: tenant.in_flight == 0)
+            llm.script = STREAM
+            done = await stub.GenerateUnary(request(request_id="g-3"), metadata=auth, timeout=10)
+            return over.value, done, tenant.in_flight
+
+    over, done, left = asyncio.run(main())
+    assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_streams" in over.details()
+    assert done.usage.output_tokens == 4 and left == 0

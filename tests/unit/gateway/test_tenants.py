@@ -199,3 +199,52 @@ def test_the_gateway_config_check_loads_the_file(tmp_path):
     assert str(err.value) == f"tenants file {tmp_path / 'none.json'}: cannot read it: No such file or directory"
     path.write_text(json.dumps({"tenants": [ACME]}))
     GatewayConfig(tenants=str(path)).check()
+
+
+def png(width: int, height: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("L", (width, height)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_max_streams_counts_requests_in_flight(tmp_path):
+    reg = registry(tmp_path, max_streams=2, requests_per_second=100, burst=100)
+    acme = reg.authenticate([("authorization", "Bearer k1")])
+    reg.admit(acme, QosLevel.STANDARD)
+    reg.admit(acme, QosLevel.STANDARD)
+    with pytest.raises(ResourceExhausted, match="2 requests in flight, its max_streams") as err:
+        reg.admit(acme, QosLevel.STANDARD)
+    assert err.value.retry_after_s > 0
+    level = acme.requests.level
+    reg.done(acme)  # one answered: room for one more
+    reg.admit(acme, QosLevel.STANDARD)
+    reg.refund(acme)  # admitted, then refused further on: not in flight, its token back
+    assert acme.in_flight == 1 and acme.requests.level >= level - 1e-6
+    other = reg.authenticate([("authorization", "Bearer k3")])  # no limit of its own
+    for _ in range(5):
+        reg.admit(other, QosLevel.REALTIME)
+
+
+def test_image_byte_and_pixel_limits(tmp_path):
+    from services.common.errors import InvalidArgument
+    from vlmesh.v1 import common_pb2 as pb
+
+    reg = registry(tmp_path, max_image_bytes=2000, max_image_pixels=100 * 100, requests_per_second=100, burst=100)
+    acme = reg.authenticate([("authorization", "Bearer k1")])
+    reg.admit(acme, QosLevel.STANDARD, [pb.Image(data=png(100, 100))])
+    with pytest.raises(InvalidArgument, match=r"images\[0\] is 101x100 = 10100 pixels; tenant 'acme' allows 10000"):
+        reg.admit(acme, QosLevel.STANDARD, [pb.Image(data=png(101, 100))])
+    with pytest.raises(InvalidArgument, match="the images are 3000 bytes; tenant 'acme' may send at most 2000"):
+        reg.admit(acme, QosLevel.STANDARD, [pb.Image(data=bytes(3000))])
+    reg.admit(acme, QosLevel.STANDARD, [pb.Image(data=b"not a picture")])  # the vision says what is wrong
+    assert acme.in_flight == 2  # refused requests were never counted
+
+
+@pytest.mark.parametrize("value", [0, 1.5, "8", True])
+def test_a_bad_limit_is_refused(tmp_path, value):
+    with pytest.raises(ValueError, match='tenant "acme": max_streams must be'):
+        registry(tmp_path, max_streams=value)
