@@ -48,6 +48,9 @@ REJECTIONS = Counter(
     ["service", "qos_level", "reason"],
 )
 IN_FLIGHT = Gauge("vlmesh_in_flight", "Admitted requests not yet answered (gateway)", ["qos_level"])
+WORKER_CIRCUIT = Gauge(
+    "vlmesh_worker_circuit", "The gateway's breaker of each worker: 0 closed, 1 half-open, 2 open", ["worker"]
+)
 STAGE_DURATION = Histogram(
     "vlmesh_stage_duration_seconds", "Time spent in one stage of a request", ["stage"], buckets=LATENCY_BUCKETS
 )

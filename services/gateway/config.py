@@ -174,10 +174,25 @@ class GatewayConfig:
 
     server: ServerConfig = nested(ServerConfig, port=DEFAULT_PORT, metrics_port=DEFAULT_METRICS_PORT)
     vision_target: str = flag(
-        "--vision-target", default=DEFAULT_VISION_TARGET, help="vision service HOST:PORT (default %(default)s)"
+        "--vision-target",
+        default=DEFAULT_VISION_TARGET,
+        help="vision service HOST:PORT; a comma list for several workers, the i-th beside the i-th "
+        "--llm-target (default %(default)s)",
     )
     llm_target: str = flag(
-        "--llm-target", default=DEFAULT_LLM_TARGET, help="llm service HOST:PORT (default %(default)s)"
+        "--llm-target", default=DEFAULT_LLM_TARGET, help="llm service HOST:PORT, or a comma list (default %(default)s)"
+    )
+    breaker_failures: int = flag(
+        "--breaker-failures",
+        default=5,
+        help="calls in a row that fail for a worker's sake (UNAVAILABLE, INTERNAL) before the gateway "
+        "stops sending it requests (default %(default)s)",
+    )
+    breaker_cooldown_s: float = flag(
+        "--breaker-cooldown-s",
+        default=5.0,
+        help="seconds a cut-off worker gets no requests before one probes it (doubled after each failed "
+        "probe) (default %(default)s)",
     )
     max_images: int = flag("--max-images", default=1, help="images per request (default %(default)s)")
     tenants: str | None = flag(
@@ -199,9 +214,14 @@ class GatewayConfig:
         self.server.check()
         self.admission.check()
         self.http.check()
-        for flag_name, target in (("--vision-target", self.vision_target), ("--llm-target", self.llm_target)):
-            if ":" not in target:
-                raise ValueError(f"{flag_name} {target!r} must be HOST:PORT (or unix:PATH)")
+        for flag_name, targets in (("--vision-target", self.vision_target), ("--llm-target", self.llm_target)):
+            for target in targets.split(","):
+                if ":" not in target:
+                    raise ValueError(f"{flag_name} {target!r} must be HOST:PORT (or unix:PATH)")
+        if len(self.vision_target.split(",")) != len(self.llm_target.split(",")):
+            raise ValueError("--vision-target and --llm-target must name as many addresses: one of each per worker")
+        if self.breaker_failures < 1 or self.breaker_cooldown_s <= 0:
+            raise ValueError("--breaker-failures must be >= 1 and --breaker-cooldown-s > 0")
         if self.tenants:
             TenantRegistry.load(self.tenants)  # a bad file fails here, before `vlmesh up` starts anything
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 import uuid
@@ -19,20 +18,20 @@ import grpc
 
 from services.common import metrics, rpc, telemetry
 from services.common.config import VARIANT_METADATA_KEY
-from services.common.errors import InvalidArgument, MeshError, NotFound, Unavailable, from_rpc_error
+from services.common.errors import InvalidArgument, MeshError, NotFound, from_rpc_error
 from services.common.logs import request_context
 from services.common.qos import QosLevel, metadata_value, qos_from_metadata, qos_metadata
 from services.common.sampling import Sampling
 from services.common.server import INTERNAL_OPTIONS
 from services.common.timings import Timings
-from services.common.tls import aio_channel
 from services.common.validation import check_conversation, check_images, check_sampling
 from services.gateway.access_log import AccessLog, Entry
 from services.gateway.admission import Admission, AdmissionConfig, Ticket
 from services.gateway.tenants import Tenant, TenantRegistry
+from services.gateway.workers import Worker, Workers
 from services.handoff.release import release_leases
 from vlmesh.v1 import common_pb2 as pb
-from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc, llm_pb2, llm_pb2_grpc, vision_pb2, vision_pb2_grpc
+from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc, llm_pb2, vision_pb2
 
 log = logging.getLogger(__name__)
 
@@ -67,27 +66,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         admission: AdmissionConfig | None = None,
         access_log: bool = True,
         peer_credentials: grpc.ChannelCredentials | None = None,  # mTLS to vision and llm (services/common/tls.py)
+        breaker: tuple[int, float] = (5, 5.0),  # failures in a row, cool-down s (services/gateway/workers.py)
     ) -> None:
         self.tenants = tenants
         self.access = AccessLog(access_log)
         self.admission = Admission(admission or AdmissionConfig())
         interceptors = telemetry.client_interceptors()  # W3C trace context into the metadata
-        channel = functools.partial(aio_channel, creds=peer_credentials, options=INTERNAL_OPTIONS)
-        self.vision = vision_pb2_grpc.VisionStub(channel(vision_target, interceptors=interceptors))
-        self.llm = llm_pb2_grpc.LlmStub(channel(llm_target, interceptors=interceptors))
+        self.workers = Workers(vision_target, llm_target, peer_credentials, interceptors, INTERNAL_OPTIONS, *breaker)
         self.max_images = max_images
-        self._llm_info: pb.ServiceInfo | None = None
         self._background: set[asyncio.Task] = set()
 
     async def llm_info(self) -> pb.ServiceInfo:
-        """The llm's model and limits, fetched once (it cannot change while it runs)."""
-        if self._llm_info is None:
-            try:
-                self._llm_info = await self.llm.Info(pb.InfoRequest(), timeout=5)
-            except grpc.RpcError as err:
-                raise Unavailable(f"llm service is not reachable: {err.code().name}") from err
-            metrics.MODEL_INFO.labels("gateway", self._llm_info.model_id, self._llm_info.variant).set(1)
-        return self._llm_info
+        """The model and limits the workers serve (fetched once each)."""
+        return await self.workers.llm_info()
 
     @rpc.unary
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext):
@@ -149,7 +140,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 telemetry.annotate({"admission.decision": "refused", "admission.reason": reason}, span)
                 raise
             telemetry.annotate({"admission.decision": "admitted"}, span)
+        worker = None
         try:
+            worker = self.workers.pick()
             await context.send_initial_metadata(((VARIANT_METADATA_KEY, info.variant),))  # who serves it
             telemetry.annotate(
                 {
@@ -161,11 +154,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 }
             )
             # aclosing: a cancelled client closes the inner generator at once (llm call, leases).
-            serve = self._serve(request, context, request_id, tenant, qos, sampling, info, ticket, received)
+            serve = self._serve(request, context, request_id, tenant, qos, sampling, worker, ticket, received)
             async with contextlib.aclosing(serve) as outputs:
                 async for out in outputs:
                     yield out
         finally:
+            if worker is not None:
+                self.workers.done(worker)
             if charged is not None:
                 self.tenants.done(charged)
             self.admission.finish(ticket)  # whatever the outcome; no-op after an answered request
@@ -178,25 +173,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         tenant: Tenant | None,
         qos: QosLevel,
         sampling: Sampling,
-        info: pb.ServiceInfo,
+        worker: Worker,
         ticket: Ticket,
         received: float,
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        """Encode, then relay the llm's stream; the last message carries usage and timings."""
+        """Encode, then relay the llm's stream (both on `worker`); the last message carries usage and timings."""
         metadata = qos_metadata(qos)
         admitted = time.perf_counter()
+        info = await worker.llm_info()  # its host and GPU decide how its features cross
         consumer = pb.ConsumerInfo(host_id=info.host_id, gpu_uuid=info.gpu_uuid, accept=info.transports)
         with telemetry.span("gateway.vision"):
             try:
-                encoded = await self.vision.Encode(
+                encoded = await worker.vision.Encode(
                     vision_pb2.EncodeRequest(request_id=request_id, images=request.images, consumer=consumer),
                     metadata=metadata,
                     timeout=context.time_remaining(),
                 )
             except grpc.RpcError as err:
+                worker.failed(err)
                 raise from_rpc_error(err, "vision") from err
         with telemetry.span("gateway.llm"):
-            call = self.llm.Generate(
+            call = worker.llm.Generate(
                 llm_pb2.LlmGenerateRequest(
                     request_id=request_id,
                     prompt=request.prompt,
@@ -218,17 +215,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                         timings = self._finish(out, msg, encoded.timings, qos, received, admitted, first_token_at)
                         self.admission.finish(ticket, timings, msg.usage.output_tokens)
+                        worker.breaker.record(True)
                         if tenant is not None and tenant.tokens is not None:
                             tenant.tokens.charge(msg.usage.output_tokens)
                     yield out
             except grpc.RpcError as err:
+                worker.failed(err)
                 if not started:
-                    await self._release(encoded.features)
+                    await self._release(worker, encoded.features)
                 raise from_rpc_error(err, "llm") from err
             except (asyncio.CancelledError, GeneratorExit):  # the client went away or the deadline passed
                 call.cancel()
                 if not started:  # the llm may never have read them; don't wait for the TTL
-                    task = asyncio.get_running_loop().create_task(self._release(encoded.features))
+                    task = asyncio.get_running_loop().create_task(self._release(worker, encoded.features))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
                 raise
@@ -263,9 +262,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         return t
 
-    async def _release(self, refs) -> None:
+    @staticmethod
+    async def _release(worker: Worker, refs) -> None:
         """The llm never read these features: hand the slots back instead of waiting for the TTL."""
-        await release_leases(self.vision, refs, timeout_s=2)
+        await release_leases(worker.vision, refs, timeout_s=2)
 
     @rpc.stream
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):

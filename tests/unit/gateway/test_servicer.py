@@ -344,3 +344,67 @@ def test_a_tenant_s_max_streams_holds_while_its_requests_run_and_frees_as_they_e
     over, done, left = asyncio.run(main())
     assert over.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_streams" in over.details()
     assert done.usage.output_tokens == 4 and left == 0
+
+
+def test_a_worker_that_fails_every_call_is_cut_off_probed_and_readmitted():
+    """Two workers; the second's llm fails every call (INTERNAL): after 3 failures in a row it gets
+    no requests, the first serves them all; healed, it is probed after its cool-down and takes
+    requests again."""
+    from services.gateway.workers import CLOSED, OPEN
+
+    good, bad = FakeLlm(), FakeLlm([(grpc.StatusCode.INTERNAL, "broken")])
+
+    async def main():
+        async with (
+            local_server(vision_pb2_grpc.add_VisionServicer_to_server, fake_vision()) as v1,
+            local_server(vision_pb2_grpc.add_VisionServicer_to_server, fake_vision()) as v2,
+            local_server(llm_pb2_grpc.add_LlmServicer_to_server, good) as l1,
+            local_server(llm_pb2_grpc.add_LlmServicer_to_server, bad) as l2,
+        ):
+            servicer = GatewayServicer(f"{v1},{v2}", f"{l1},{l2}", max_images=2, breaker=(3, 0.3))
+            async with local_server(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer) as target:
+                async with grpc.aio.insecure_channel(target) as channel:
+                    stub = gateway_pb2_grpc.GatewayStub(channel)
+                    codes = []
+                    for i in range(12):
+                        try:
+                            await stub.GenerateUnary(request(request_id=f"r{i}"), timeout=10)
+                            codes.append("OK")
+                        except grpc.aio.AioRpcError as err:
+                            codes.append(err.code().name)
+                    broken = servicer.workers.all[1].breaker
+                    cut_off = (broken.state, len(bad.generates), len(good.generates))
+                    bad.script = STREAM  # healed
+                    await asyncio.sleep(0.35)
+                    for i in range(4):
+                        await stub.GenerateUnary(request(request_id=f"h{i}"), timeout=10)
+                    return codes, cut_off, broken.state, len(bad.generates)
+
+    codes, (state, bad_calls, good_calls), healed_state, bad_after = asyncio.run(main())
+    assert state == OPEN and bad_calls == 3 and good_calls == 9, (state, bad_calls, good_calls)
+    assert codes.count("OK") == 9 and len(codes) - codes.count("OK") == 3  # only the 3 that cut it off failed
+    assert healed_state == CLOSED and bad_after > 3  # probed, answered, readmitted
+
+
+def test_the_breaker_opens_after_failures_in_a_row_and_backs_off_after_a_failed_probe():
+    from services.gateway.workers import CLOSED, HALF_OPEN, OPEN, Breaker
+
+    now = [0.0]
+    b = Breaker("w", failures=2, cooldown_s=1.0, clock=lambda: now[0])
+    b.record(False)
+    b.record(True)  # not in a row
+    b.record(False)
+    assert b.state == CLOSED and b.allows()
+    b.record(False)
+    assert b.state == OPEN and not b.allows() and b.wait_s() == 1.0
+    now[0] = 1.0
+    assert b.allows() and b.state == HALF_OPEN
+    b.started()
+    assert not b.allows()  # one probe at a time
+    b.record(False)  # the probe failed: twice the cool-down
+    assert b.state == OPEN and b.wait_s() == 2.0
+    now[0] = 3.0
+    assert b.allows()
+    b.started()
+    b.record(True)
+    assert b.state == CLOSED and b.allows()

@@ -28,6 +28,10 @@ from services.vision.config import VisionConfig
 MODULES = {"gateway": gateway_config, "vision": vision_config, "llm": llm_config}
 TENANTS = Path(tempfile.mkdtemp()) / "tenants.json"
 TENANTS.write_text('{"tenants": [{"id": "a", "api_keys": ["k"]}]}')
+PEM = TENANTS.parent / "pem"  # --tls-* check that their files hold PEM; these are not real keys
+for name in ("cert", "key", "ca"):
+    (PEM / name).parent.mkdir(exist_ok=True)
+    (PEM / name).write_text(f"-----BEGIN {name.upper()}-----\n")
 MODEL = ModelConfig(
     path="/models/x", device="cpu", dtype="float32", threads=3, memory_watermarks=Watermarks(0.5, 0.8, 0.99)
 )
@@ -44,6 +48,9 @@ def custom_server(port: int) -> ServerConfig:
         switch_interval_ms=0.25,
         event_loop="asyncio",
         port_file="/tmp/ports.json",
+        tls_cert=str(PEM / "cert"),
+        tls_key=str(PEM / "key"),
+        tls_ca=str(PEM / "ca"),
     )
 
 
@@ -55,6 +62,8 @@ CUSTOM = {
         max_images=3,
         tenants=str(TENANTS),
         access_log=False,
+        breaker_failures=2,
+        breaker_cooldown_s=0.25,
         admission=AdmissionConfig(
             parallelism=3,
             max_in_flight={QosLevel.BEST_EFFORT: 5},
