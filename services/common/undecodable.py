@@ -62,15 +62,26 @@ def _unary_stream(behavior):
 
 
 class RefuseUndecodable(grpc.aio.ServerInterceptor):
+    def __init__(self) -> None:
+        # method -> (its handler, the wrapped one): a registered handler is the same object on
+        # every call, so it is wrapped once (another interceptor's per-call handlers miss).
+        self._wrapped: dict[str, tuple[object, grpc.RpcMethodHandler]] = {}
+
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None or handler.request_streaming:
             return handler
+        cached = self._wrapped.get(details.method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
         parse = _safe(handler.request_deserializer, details.method)
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
+            wrapped = grpc.unary_unary_rpc_method_handler(
                 _unary_unary(handler.unary_unary), parse, handler.response_serializer
             )
-        return grpc.unary_stream_rpc_method_handler(
-            _unary_stream(handler.unary_stream), parse, handler.response_serializer
-        )
+        else:
+            wrapped = grpc.unary_stream_rpc_method_handler(
+                _unary_stream(handler.unary_stream), parse, handler.response_serializer
+            )
+        self._wrapped[details.method] = (handler, wrapped)
+        return wrapped

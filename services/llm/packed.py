@@ -124,8 +124,9 @@ class PackedStep:
         return next(b for b in self.buckets if b >= n)
 
     def fits(self, chunks: list[Chunk], decodes: list[Request]) -> bool:
-        sampled = sum(c.completes for c in chunks) + len(decodes)
-        return sum(c.end - c.start for c in chunks) + len(decodes) <= self.buckets[-1] and sampled <= self.max_seqs
+        """Whether the step's rows fit the largest bucket and its sequences the tables."""
+        rows = sum(c.end - c.start for c in chunks) + len(decodes)
+        return rows <= self.buckets[-1] and len(chunks) + len(decodes) <= self.max_seqs
 
     def _block_mask(self, rows: int):
         from torch.nn.attention.flex_attention import BlockMask
