@@ -1,6 +1,13 @@
-"""The batch sizes CUDA graphs are captured for (the llm's decode step, the vision tower)."""
+"""CUDA graphs by size: the batch sizes they are captured for, and the capture itself (the llm's
+decode and packed steps, the vision tower)."""
 
 from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+log = logging.getLogger(__name__)
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -10,3 +17,30 @@ def batch_buckets(max_batch: int) -> list[int]:
         sizes.append(b)
         b *= 2
     return [*sizes, max_batch]
+
+
+def capture_graphs(sizes: Iterable[int], run: Callable[[int], None], what: str) -> dict:
+    """{size: torch.cuda.CUDAGraph} of `run(size)`, largest first, all in one memory pool.
+
+    Each size runs twice on a side stream first (the compile, then a run outside the capture),
+    as CUDA graph capture needs. `run` must read and write only static buffers, with no host
+    syncs. Raises what compiling or capturing raised.
+    """
+    import torch  # here: services/common is imported by the launcher, which loads no torch
+
+    start = time.perf_counter()
+    pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+    graphs = {}
+    for size in sorted(sizes, reverse=True):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run(size)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            run(size)
+        graphs[size] = graph
+        log.info("%s captured for %d (%.1f s so far)", what, size, time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return graphs

@@ -130,6 +130,7 @@ class Mesh:
         self.metrics_ports = {name: cfg.server.metrics_port for name, cfg in self.configs.items()}
         self.http_port = opts.gateway.http.port if opts.gateway.http.port > 0 else None  # -1: off; 0: once bound
         self._warmup_key = secrets.token_urlsafe(32)
+        self._creds = opts.gateway.server.channel_credentials()
 
     def target(self, name: str) -> str:
         """HOST:PORT of a child; for port 0, known once the child serves."""
@@ -245,8 +246,9 @@ class Mesh:
         warm_up(self, pictures, self.opts.warmup_requests, self._warmup_key, progress)
 
     def credentials(self) -> grpc.ChannelCredentials | None:
-        """What the launcher's own calls present and verify with (mTLS; None: plaintext)."""
-        return self.opts.gateway.server.channel_credentials()
+        """What the launcher's own calls present and verify with (mTLS; None: plaintext); the
+        files are read once, not at every health check."""
+        return self._creds
 
     def wait(self, progress=print) -> None:
         """Serve until SIGINT or SIGTERM (returns), restarting children that die or stall

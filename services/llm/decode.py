@@ -14,17 +14,12 @@ graph and replayed: one launch per step.
 
 from __future__ import annotations
 
-import logging
-import time
-
 import torch
 
-from services.common.buckets import batch_buckets
+from services.common.buckets import batch_buckets, capture_graphs
 from services.llm.attention import DecodeAttention, page_slots
 from services.llm.kv_cache import PagedKvCache
 from services.model.llama import LlamaDecoder
-
-log = logging.getLogger(__name__)
 
 
 def ban_eos(logits: torch.Tensor, eos: torch.Tensor | None, ban: torch.Tensor) -> None:
@@ -101,22 +96,8 @@ class DecodeStep:
             self.timings.append((b, start, end))
 
     def capture(self, max_len: int) -> None:
-        """Compile (on first use) and capture one graph per bucket, largest first, sharing one memory pool.
+        """Compile (on first use) and capture one graph per bucket (services/common/buckets.py).
 
         The inputs must hold valid rows (the null page: zeros do) while capturing.
         """
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        for b in sorted(self.buckets, reverse=True):
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile, then run once more outside the capture
-                    self.forward(b, max_len)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.forward(b, max_len)
-            self._graphs[b] = graph
-            log.info("decode step captured for batch %d (%.1f s so far)", b, time.perf_counter() - start)
-        torch.cuda.synchronize()
+        self._graphs = capture_graphs(self.buckets, lambda b: self.forward(b, max_len), "decode step, batch")

@@ -27,11 +27,11 @@ it against the per-chunk reference (services/llm/attention.py).
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 import torch
 
+from services.common.buckets import capture_graphs
 from services.llm.attention import prefill_in, prefill_out
 from services.llm.decode import ban_eos
 from services.llm.kv_cache import PagedKvCache
@@ -257,31 +257,17 @@ class PackedStep:
             graph.replay()
 
     def capture(self, fallback: bool = False) -> PackedStep | None:
-        """Compile and capture one graph per bucket, largest first, sharing one memory pool; returns self.
+        """Compile and capture one graph per bucket (services/common/buckets.py); returns self.
 
         `fallback`: if compiling or capturing fails, log it and return None (the runner then
         prefills per chunk) instead of raising. The staged inputs must be valid while
         capturing: zeros and empty tables are (no row attends; padding writes the null page).
         """
-        start = time.perf_counter()
-        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         try:
-            for rows in sorted(self.buckets, reverse=True):
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self.forward(rows)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.forward(rows)
-                self._graphs[rows] = graph
-                log.info("packed step captured for %d rows (%.1f s so far)", rows, time.perf_counter() - start)
+            self._graphs = capture_graphs(self.buckets, self.forward, "packed step, rows")
         except Exception:
             if not fallback:
                 raise
             log.exception("the packed step could not be captured: prefill runs per chunk (--prefill chunks)")
-            self._graphs.clear()
             return None
-        torch.cuda.synchronize()
         return self

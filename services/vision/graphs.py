@@ -14,11 +14,10 @@ batch overwrites them. Off CUDA the same runs eagerly over the same buffers (the
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
-from services.common.buckets import batch_buckets
+from services.common.buckets import batch_buckets, capture_graphs
 from services.model.clip import VisionTower
 
 log = logging.getLogger(__name__)
@@ -53,23 +52,10 @@ class GraphedTower:
 
     @torch.inference_mode()
     def capture(self) -> GraphedTower | None:
-        """Capture every bucket, largest first, in one memory pool; on failure log it and return None (eager)."""
-        start = time.perf_counter()
-        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        """Capture every bucket (services/common/buckets.py); on failure log it and return None (eager)."""
         try:
-            for b in sorted(self.buckets, reverse=True):
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self._forward(b)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._forward(b)
-                self._graphs[b] = graph
+            self._graphs = capture_graphs(self.buckets, self._forward, "vision tower, batch")
         except Exception:
             log.exception("the vision tower could not be captured in CUDA graphs: it runs eagerly")
             return None
-        torch.cuda.synchronize()
-        log.info("vision tower captured for batches %s in %.1f s", self.buckets, time.perf_counter() - start)
         return self
