@@ -75,10 +75,10 @@ class NativeEngineConfig:
         "--prefill",
         default="auto",
         choices=PREFILL_MODES,
-        help="how prefill steps run: packed (the step's chunks and decodes as rows of one forward, "
-        "attention by flex_attention over the pool; graph-captured per row bucket on CUDA), chunks "
-        "(one SDPA per chunk, then the decodes as a second forward; the reference), or auto: packed "
-        "where CUDA graphs run, chunks elsewhere (default %(default)s)",
+        help="how prefill steps run: packed (the step's chunks as rows of one forward, attention by "
+        "flex_attention over the pool; graph-captured per row bucket on CUDA), chunks (one SDPA per "
+        "chunk, eagerly; the reference), or auto: packed where CUDA graphs run, chunks elsewhere; "
+        "the step's decodes follow as the decode step either way (default %(default)s)",
     )
     enforce_eager: bool = flag(
         "--enforce-eager",

@@ -1,20 +1,27 @@
-"""The packed step: a step's prefill chunks and decode tokens as the rows of one forward.
+"""The packed step: a step's prefill chunks as the rows of one forward, graph-captured.
 
-Rows: the chunks' positions in plan order, then one row per decode (its last token, at its
-position `computed`), then padding up to the row bucket (`row_buckets`). The weights are read
-once for all of them: decodes ride on the prefill's matmuls instead of a second forward.
+Rows: the chunks' positions in plan order, then padding up to the row bucket (`row_buckets`).
 Every row first stores its K/V in the pool (padding rows in the null page), then attends
 through `flex_attention` to the pool itself, with a block mask made on the host:
 - per block of `Q_BLOCK` rows, the pages of the sequences those rows belong to (each page
   once, also when two sequences share it through the prefix cache);
-- a mask that keeps, for row r and pool position kv in page p:
+- a mask that keeps, for row r of sequence rank[r] and pool position kv in page p:
 
-      tables[seq[r], logical[p]] == p                        (p is a page of r's sequence)
+      lo[p] <= rank[r] <= hi[p]                              (p is a page of r's sequence)
       and logical[p] * page_size + kv % page_size <= pos[r]  (at or before r's position)
 
-  A page shared by two prompts' prefixes sits at the same logical index in both, so
-  `logical` is one value per page. Pages that every row of a one-sequence block sees whole
-  are full blocks: flex skips their mask.
+  The step's sequences are ranked by their block tables, in lexicographic order. Pages are
+  shared only as leading runs (the prefix cache matches a prompt's first pages), so the
+  sequences that hold a page are ranks lo[p]..hi[p] with no gap, and a shared page sits at
+  the same logical index in each. Three loads per key column: an earlier mask that looked
+  up `tables[seq[r], logical[p]]` per score made each key block cost some 25 us on the
+  H200, eight times the block's arithmetic. Pages that every row of a one-sequence block
+  sees whole are full blocks: flex skips their mask.
+
+The step's decodes do not ride in these rows: a decode's query block would list all of its
+pages, and one block holding the last rows of a prompt and 16 decodes walked some 85 key
+blocks in one thread block (74.7 ms a step where the decode graph after the prefill takes
+6). They run in the decode step's graph after this one (services/llm/decode.py).
 
 Every input lives at a fixed address (the runner's staging buffer, one upload per step), so
 on CUDA each bucket's layers and head are captured in one CUDA graph: one replay where the
@@ -46,20 +53,20 @@ Q_BLOCK = 128  # query rows per block-mask block (a multiple of flex's BLOCK_M)
 
 
 def row_buckets(max_rows: int) -> list[int]:
-    """Captured row counts: 128, 256, 384, 512, 768, 1024, 1536, 2048, ... up to max_rows (rounded to 128)."""
+    """Captured row counts: every 128 up to 768, every 256 up to 2048, then a third more each, up to max_rows."""
     top = -(-max_rows // Q_BLOCK) * Q_BLOCK
     sizes, b = [], Q_BLOCK
     while b < top:
         sizes.append(b)
-        b = b + Q_BLOCK if b < 512 else b * 3 // 2 if (b & (b - 1)) == 0 else b * 4 // 3
+        b = b + Q_BLOCK if b < 768 else b + 256 if b < 2048 else -(-b * 4 // 3 // Q_BLOCK) * Q_BLOCK
     return [*sizes, top]
 
 
-def fixed_words(max_rows: int, max_seqs: int, max_pages: int, n_pages: int) -> int:
+def fixed_words(max_rows: int, max_seqs: int, n_pages: int) -> int:
     """Staging words the packed step's inputs take (see `PackedStep.__init__`)."""
     rows = row_buckets(max_rows)[-1]
     blocks = rows // Q_BLOCK
-    return 4 * rows + (max_seqs + 1) * max_pages + n_pages + 2 * blocks * (1 + n_pages) + 2 * max_seqs
+    return 4 * rows + 3 * n_pages + 2 * blocks * (1 + n_pages) + 2 * max_seqs
 
 
 class PackedStep:
@@ -73,20 +80,20 @@ class PackedStep:
         eos: torch.Tensor | None,
         max_rows: int,
         max_seqs: int,
-        max_pages: int,
         layer_in=prefill_in,  # the layer halves around the attention: compiled (dynamic rows) on CUDA
         layer_out=prefill_out,
     ) -> None:
         self.model, self.kv, self.rope, self.eos = model, kv, rope, eos
-        self.page, self.n_pages, self.max_seqs, self.max_pages = kv.page_size, kv.n_pages, max_seqs, max_pages
+        self.page, self.n_pages, self.max_seqs = kv.page_size, kv.n_pages, max_seqs
         self.buckets = row_buckets(max_rows)
         rows, s, blocks = self.buckets[-1], max_seqs, self.buckets[-1] // Q_BLOCK
         sizes = {
             "ids": rows,
             "pos": rows,
             "slots": rows,
-            "seq": rows,  # each row's sequence (its index in this step); padding: s, whose table is empty
-            "tables": (s + 1) * max_pages,
+            "rank": rows,  # each row's sequence's rank (see the module's docstring); padding: -1, in no page
+            "lo": self.n_pages,  # the ranks that hold each page: lo..hi
+            "hi": self.n_pages,
             "logical": self.n_pages,  # each page's index in the tables that hold it
             "kv_num": blocks,
             "kv_idx": blocks * self.n_pages,
@@ -99,11 +106,9 @@ class PackedStep:
         for name, n in sizes.items():
             self._host[name], dev[name] = staging.fixed_view(at, n)
             at += n
-        self._host["tables"] = self._host["tables"].reshape(s + 1, max_pages)
         for name in ("kv_idx", "full_idx"):
             self._host[name] = self._host[name].reshape(blocks, self.n_pages)
         self._dev = dev
-        self._tables = dev["tables"].view(s + 1, max_pages)
         device = kv.k[0].device
         self.x = torch.zeros(rows, model.embed_tokens.embedding_dim, device=device, dtype=kv.k[0].dtype)
         self.logits = torch.zeros(s, model.lm_head.out_features, device=device)
@@ -123,22 +128,16 @@ class PackedStep:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def fits(self, chunks: list[Chunk], decodes: list[Request]) -> bool:
-        """Whether the step's rows fit the largest bucket and its sequences the tables."""
-        rows = sum(c.end - c.start for c in chunks) + len(decodes)
-        return rows <= self.buckets[-1] and len(chunks) + len(decodes) <= self.max_seqs
-
     def _block_mask(self, rows: int):
         from torch.nn.attention.flex_attention import BlockMask
 
         d, page, blocks = self._dev, self.page, rows // Q_BLOCK
-        seq, pos, logical, tables = d["seq"], d["pos"], d["logical"], self._tables
-        top = self.max_pages - 1
+        rank, pos, lo, hi, logical = d["rank"], d["pos"], d["lo"], d["hi"], d["logical"]
 
         def own_positions(b, h, q_idx, kv_idx):
             p = kv_idx // page
-            lp = logical[p].clamp(0, top)  # pages outside this step hold stale entries: never owned
-            return (tables[seq[q_idx], lp] == p) & (lp * page + kv_idx % page <= pos[q_idx])
+            r = rank[q_idx]
+            return (lo[p] <= r) & (r <= hi[p]) & (logical[p] * page + kv_idx % page <= pos[q_idx])
 
         def view(name, width=None):
             t = d[name][: blocks * (width or 1)]
@@ -156,46 +155,65 @@ class PackedStep:
         )
 
     # ---- host side ----
-    def stage(self, chunks: list[Chunk], decodes: list[Request]) -> None:
-        """Write the step's rows, tables and block mask into the staging buffer (before its upload)."""
+    def stage(self, chunks: list[Chunk]) -> bool:
+        """Write the chunks' rows, pages and block mask into the staging buffer (before its upload).
+
+        False (nothing usable staged) when they do not fit: more rows than the largest bucket,
+        or pages shared other than as the leading runs the mask assumes; the runner then runs
+        the step per chunk.
+        """
         h, page = self._host, self.page
-        reqs = [c.req for c in chunks] + decodes
+        reqs = [c.req for c in chunks]
+        n = sum(c.end - c.start for c in chunks)
+        if n > self.buckets[-1] or len(reqs) > self.max_seqs or not self._stage_pages(reqs):
+            return False
         ids, pos, last, ban = [], [], [], []
         for c in chunks:
             r = c.req
             tokens = r.prompt_ids + r.output_ids if r.output_ids else r.prompt_ids
             ids.extend(tokens[c.start : c.end])
             pos.append(np.arange(c.start, c.end))
-        for r in decodes:
-            ids.append(r.output_ids[-1])
-            pos.append(np.array([r.computed]))
-        lengths = [len(p) for p in pos]
-        ends = np.cumsum(lengths)
-        for i, r in enumerate(reqs):  # completing chunks, then decodes: the runner's token order
-            if i >= len(chunks) or chunks[i].completes:
-                last.append(int(ends[i]) - 1)
+            if c.completes:
+                last.append(sum(len(p) for p in pos) - 1)
                 ban.append(len(r.output_ids) < r.sampling.min_tokens)
         positions = np.concatenate(pos)
-        seqs = np.repeat(np.arange(len(reqs)), lengths)
-        n, rows = len(positions), self.bucket(len(positions))
-        tables = h["tables"]
-        tables[:] = -1
+        seqs = np.repeat(np.arange(len(reqs)), [len(p) for p in pos])
+        rows = self.bucket(n)
+        pages = np.zeros(len(positions), dtype=np.int64)
         for i, r in enumerate(reqs):
-            blocks = np.asarray(r.blocks, dtype=np.int64)
-            tables[i, : len(blocks)] = blocks
-            h["logical"][blocks] = np.arange(len(blocks))
-        h["ids"][:n], h["pos"][:n], h["seq"][:n] = ids, positions, seqs
-        h["slots"][:n] = tables[seqs, positions // page].astype(np.int64) * page + positions % page
+            at = seqs == i
+            pages[at] = np.asarray(r.blocks, dtype=np.int64)[positions[at] // page]
+        h["ids"][:n], h["pos"][:n], h["rank"][:n] = ids, positions, self._ranks[seqs]
+        h["slots"][:n] = pages * page + positions % page
         h["ids"][n:rows] = 0
         h["pos"][n:rows] = 0
-        h["seq"][n:rows] = len(tables) - 1  # the empty table: padding attends to nothing
+        h["rank"][n:rows] = -1  # in no page's range: padding attends to nothing
         h["slots"][n:rows] = np.arange(rows - n) % page  # the null page
         h["last"][: len(last)], h["last"][len(last) :] = last, 0
         h["ban"][: len(ban)], h["ban"][len(ban) :] = ban, 0
-        self._stage_mask(positions, seqs, rows, tables)
+        self._stage_mask(reqs, positions, seqs, rows)
         self.rows = rows
+        return True
 
-    def _stage_mask(self, positions: np.ndarray, seqs: np.ndarray, rows: int, tables: np.ndarray) -> None:
+    def _stage_pages(self, reqs: list[Request]) -> bool:
+        """Rank the sequences by block table and stage each page's lo, hi and logical index."""
+        h = self._host
+        order = sorted(range(len(reqs)), key=lambda i: reqs[i].blocks)
+        self._ranks = np.empty(len(reqs), dtype=np.int64)
+        self._ranks[order] = np.arange(len(reqs))
+        holders: dict[int, list[int]] = {}
+        for i, r in enumerate(reqs):
+            for lp, p in enumerate(r.blocks):
+                holders.setdefault(p, []).append(int(self._ranks[i]))
+                h["logical"][p] = lp
+        for p, ranks in holders.items():
+            lo, hi = min(ranks), max(ranks)
+            if hi - lo + 1 != len(ranks):
+                return False  # a page shared by ranks with a gap: not a leading run
+            h["lo"][p], h["hi"][p] = lo, hi
+        return True
+
+    def _stage_mask(self, reqs: list[Request], positions: np.ndarray, seqs: np.ndarray, rows: int) -> None:
         h, page = self._host, self.page
         for b in range(rows // Q_BLOCK):
             lo, hi = b * Q_BLOCK, min((b + 1) * Q_BLOCK, len(positions))
@@ -207,8 +225,7 @@ class PackedStep:
                 seen: set[int] = set()
                 for s in np.unique(block_seqs):
                     top = int(positions[lo:hi][block_seqs == s].max()) // page
-                    for lp in range(top + 1):
-                        p = int(tables[s, lp])
+                    for lp, p in enumerate(reqs[s].blocks[: top + 1]):
                         if p in seen:
                             continue
                         seen.add(p)
@@ -261,7 +278,8 @@ class PackedStep:
 
         `fallback`: if compiling or capturing fails, log it and return None (the runner then
         prefills per chunk) instead of raising. The staged inputs must be valid while
-        capturing: zeros and empty tables are (no row attends; padding writes the null page).
+        capturing: zeros are (every page's range is rank 0, every row at position 0 of the
+        null page).
         """
         try:
             self._graphs = capture_graphs(self.buckets, self.forward, "packed step, rows")

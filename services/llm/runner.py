@@ -1,13 +1,12 @@
 """The model runner: decoder weights, the paged KV pool, the step's forwards and sampling.
 
-A step is what the scheduler planned. A step with prefill chunks runs them and the step's
-decodes as the rows of one forward (services/llm/packed.py; graph-captured per row bucket on
-CUDA), or, with `--prefill chunks` (the CPU's default, the reference), the chunks packed in
-one eager forward with one SDPA per chunk, then the decodes as a second forward. A step of
-decodes alone runs the decode step (services/llm/decode.py: graph-captured per batch bucket
-on CUDA). Then sampling for every row that wants a token. The host stages all of the step's
-inputs in one buffer and copies it once (services/llm/staging.py); the tokens come back in
-one copy, the step's only host sync.
+A step is what the scheduler planned. Its prefill chunks run as the rows of one forward
+(services/llm/packed.py; graph-captured per row bucket on CUDA), or, with `--prefill chunks`
+(the CPU's default, the reference), packed in one eager forward with one SDPA per chunk.
+Then its decodes run as the decode step (services/llm/decode.py: graph-captured per batch
+bucket on CUDA). Then sampling for every row that wants a token. The host stages all of the
+step's inputs in one buffer and copies it once (services/llm/staging.py); the tokens come
+back in one copy, the step's only host sync.
 
 Only the runner changes KV state: `Request.computed`, and the features it copies
 (`copy_features`).
@@ -77,8 +76,7 @@ class ModelRunner:
         # the packed step's (services/llm/packed.py), when it runs the prefill.
         b, p = max_batch, self.max_pages
         auto, packed = packed is None, self.graphs if packed is None else packed
-        rows = max_prefill_tokens + max_batch
-        fixed = b * (3 + p) + (fixed_words(rows, max_batch, p, self.n_pages) if packed else 0)
+        fixed = b * (3 + p) + (fixed_words(max_prefill_tokens, max_batch, self.n_pages) if packed else 0)
         # Then a chunked prefill's ids, positions, slots, continued chunks' context, per-row values.
         capacity = fixed + 3 * max_prefill_tokens + max_batch * t.max_context + 8 * max_batch
         self.staging = Staging(capacity, fixed, device)
@@ -104,9 +102,8 @@ class ModelRunner:
                 self.staging,
                 at,
                 self.eos,
-                rows,
+                max_prefill_tokens,
                 max_batch,
-                p,
                 self._prefill_in,
                 self._prefill_out,
             )
@@ -118,7 +115,7 @@ class ModelRunner:
             "decoder loaded: %d layers x %d, %s on %s; decode %s; prefill %s",
             *(t.layers, t.hidden, dtype, device),
             f"graph-captured for batches {self.decode.buckets}" if self.graphs else "eager",
-            "per chunk" if self.packed is None else f"packed with the decodes in row buckets {self.packed.buckets}",
+            "per chunk" if self.packed is None else f"packed, graph-captured in row buckets {self.packed.buckets}",
         )
 
     # ---- the step ----
@@ -129,30 +126,32 @@ class ModelRunner:
         if len(sampled) > self.max_batch:  # the scheduler runs at most max_batch sequences
             raise ValueError(f"a step samples {len(sampled)} sequences; this runner holds {self.max_batch}")
         self.staging.begin()
-        packed = bool(chunks) and self.packed is not None and self.packed.fits(chunks, decodes)
-        if packed:
-            self.packed.stage(chunks, decodes)
+        packed = bool(chunks) and self.packed is not None and self.packed.stage(chunks)
         prefill = self._stage_prefill(chunks) if chunks and not packed else None
-        if decodes and not packed:
+        if decodes:
             self._stage_decode(decodes)
         greedy = all(r.sampling.greedy for r in sampled)
         if not greedy:
             temperature = self.staging.floats([r.sampling.temperature for r in sampled])
             top_p = self.staging.floats([r.sampling.top_p for r in sampled])
         self.staging.upload()
+        logits, argmax = [], []  # the completing chunks', then the decodes'
+        completing = len(sampled) - len(decodes)
         if packed:
             self._run_packed(chunks)
-            logits, decoded = [self.packed.logits[: len(sampled)]], self.packed.greedy[: len(sampled)]
-        else:
-            logits = [self._prefill(chunks, *prefill)] if prefill else []
-            if decodes:
-                self.decode.run(len(decodes), max_len=max(r.computed for r in decodes) + 1)
-                logits.append(self.decode.logits[: len(decodes)])
-            decoded = self.decode.greedy[: len(decodes)]  # the decode rows' argmax, taken inside the step
+            logits.append(self.packed.logits[:completing])
+            argmax.append(self.packed.greedy[:completing])  # taken inside the captured step
+        elif prefill:
+            logits.append(self._prefill(chunks, *prefill))
+            argmax.append(logits[-1].argmax(-1))
+        if decodes:
+            self.decode.run(len(decodes), max_len=max(r.computed for r in decodes) + 1)
+            logits.append(self.decode.logits[: len(decodes)])
+            argmax.append(self.decode.greedy[: len(decodes)])
         if not sampled:
             tokens = None
         elif greedy:
-            tokens = torch.cat([logits[0].argmax(-1), decoded]) if prefill else decoded
+            tokens = argmax[0] if len(argmax) == 1 else torch.cat(argmax)
         else:
             gens = [None if r.sampling.greedy else r.generator for r in sampled]
             any_top_p = any(r.sampling.top_p < 1.0 for r in sampled)

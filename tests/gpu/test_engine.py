@@ -28,7 +28,11 @@ def cut_preset(tmp_path_factory):
 def fp32_parts(cut_preset):
     # TF32 would make fp32 matmuls differ from transformers' in the last bits.
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    parts = Parts(cut_preset, max_batch=16, device="cuda", dtype="float32")
+    from services.llm.config import NativeEngineConfig
+
+    # A prompt here is about 600 positions: 1024 a step keeps the packed step's compile to 7 buckets.
+    native = NativeEngineConfig(max_prefill_tokens=1024)
+    parts = Parts(cut_preset, max_batch=16, device="cuda", dtype="float32", native=native)
     yield parts
     parts.engine.stop()
 
@@ -74,7 +78,7 @@ def test_greedy_tokens_equal_transformers_fp32(fp32_parts, cut_preset):
 
 def test_packed_prefill_equals_the_per_chunk_prefill_fp32(fp32_parts, cut_preset):
     """The packed step, graph-captured (the default on CUDA), against `--prefill chunks`: prompts
-    split by a small budget, decodes mixed into prefill steps, repeated pictures sharing pages."""
+    split by a small budget, decodes beside prefill steps, repeated pictures sharing pages."""
     from services.llm.config import NativeEngineConfig
 
     assert fp32_parts.engine.runner.packed is not None

@@ -1,7 +1,7 @@
 """The packed step (services/llm/packed.py) against the per-chunk reference, on the CPU.
 
 Two runners on the same weights (fp32) take the same steps: prefill chunks that start, continue
-and complete sequences, decodes beside them, a prefix page shared by two sequences, image
+and complete sequences, decodes beside them, a prefix page shared by sequences in one step, image
 features written over placeholders, several blocks of 128 query rows with full blocks among
 them. After every step the tokens are equal and every layer's K/V in the pool is close: each
 row's attention fed the layers after it, so a row that saw a wrong position would show there.
@@ -51,7 +51,8 @@ def runner(spec, packed: bool) -> ModelRunner:
 
 def test_row_buckets():
     assert row_buckets(100) == [128]
-    assert row_buckets(2080) == [128, 256, 384, 512, 768, 1024, 1536, 2048, 2176]
+    assert row_buckets(2048) == [128, 256, 384, 512, 640, 768, 1024, 1280, 1536, 1792, 2048]
+    assert row_buckets(3000)[-3:] == [2048, 2816, 3072]
     assert all(b % Q_BLOCK == 0 for b in row_buckets(5000))
 
 
@@ -74,7 +75,7 @@ def test_packed_steps_equal_the_per_chunk_reference(pair):
         return list(range(first, first + n))
 
     shared = prompt(PAGE)  # one full page two prompts begin with
-    ids = [prompt(300), shared + prompt(21), shared + prompt(9), prompt(5), prompt(40)]
+    ids = [prompt(300), shared + prompt(21), shared + prompt(9), prompt(5), prompt(40), shared + prompt(12)]
     feats = torch.randn(8, hidden, generator=gen)
     runs = {}
     for name, r in (("ref", ref), ("packed", packed)):
@@ -82,9 +83,11 @@ def test_packed_steps_equal_the_per_chunk_reference(pair):
         b = Seq(ids[1], pages(30, 3), image_positions=[4], image_features=[feats], features_end=12)
         c = Seq(ids[2], [30, *pages(40, 2)])  # shares b's first page (the prefix cache)
         d = Seq(ids[3], pages(50, 2))
+        e = Seq(ids[5], [30, 45])  # shares it too, in the same step as c
         steps = [
             ([Chunk(a, 0, 160), Chunk(b, 0, 37), Chunk(d, 0, 5)], []),  # a starts; b, d complete
-            ([Chunk(a, 160, 300), Chunk(c, PAGE, 25)], [b, d]),  # a continues and completes; c after the shared page
+            # a continues and completes; c and e after the shared page; b and d decode beside them
+            ([Chunk(a, 160, 300), Chunk(c, PAGE, 25), Chunk(e, PAGE, 28)], [b, d]),
             ([], [a, b, c, d]),  # decodes alone: the decode step in both runners
             ([Chunk(Seq(ids[4], pages(60, 4)), 0, 40)], [a, c]),
         ]
@@ -105,7 +108,7 @@ def test_the_block_mask_lists_each_page_once_and_whole_pages_as_full(pair):
     step = pair[2].packed
     a = Seq(list(range(3, 303)), list(range(1, 20)), computed=160)
     b = Seq(list(range(3, 30)), [1, 25])  # shares a's first page
-    step.stage([Chunk(a, 160, 300), Chunk(b, PAGE, 27)], [])
+    assert step.stage([Chunk(a, 160, 300), Chunk(b, PAGE, 27)])
     h = step._host
     # Block 0: rows of a only (positions 160..287): pages 0..9 of a are wholly before 160.
     assert h["full_num"][0] == 10 and sorted(h["full_idx"][0, :10]) == list(range(1, 11))
@@ -113,8 +116,18 @@ def test_the_block_mask_lists_each_page_once_and_whole_pages_as_full(pair):
     # Block 1: a's last rows, then b's: page 1 (shared) is listed once.
     listed = list(h["kv_idx"][1, : h["kv_num"][1]])
     assert h["full_num"][1] == 0 and len(listed) == len(set(listed)) and 1 in listed and 25 in listed
-    assert step.rows == 256 and (h["seq"][151:256] == step.max_seqs).all()  # padding: the empty table
-    assert (h["tables"][step.max_seqs] == -1).all()
+    assert step.rows == 256 and (h["rank"][151:256] == -1).all()  # padding: in no page's range
+    # Ranked by block table: a ([1, 2, ...]) before b ([1, 25]); page 1 is held by both ranks.
+    assert list(h["rank"][[0, 150]]) == [0, 1] and (h["lo"][1], h["hi"][1]) == (0, 1)
+    assert (h["lo"][25], h["hi"][25], h["logical"][25]) == (1, 1, 1) and (h["lo"][5], h["hi"][5]) == (0, 0)
+
+
+def test_pages_shared_other_than_as_a_leading_run_are_not_packed(pair):
+    step = pair[2].packed
+    a, b, c = Seq(list(range(3, 40)), [1, 2, 3]), Seq(list(range(3, 40)), [1, 5, 6]), Seq(list(range(3, 40)), [4, 2])
+    assert not step.stage([Chunk(a, 0, 37), Chunk(b, 0, 37), Chunk(c, 0, 20)])  # page 2: ranks 1 and 2, not 0
+    assert step.stage([Chunk(a, 0, 37), Chunk(b, 0, 37)])
+    assert not step.stage([Chunk(Seq(list(range(3, 900)), list(range(1, 60))), 0, 897)])  # over the top bucket
 
 
 def test_the_engine_answers_alike_with_packed_and_chunked_prefill(tiny_model):
