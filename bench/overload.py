@@ -8,12 +8,18 @@ Three phases against one mesh (W1 requests, 16 forced output tokens, open loop):
    at 1 req/s (the mesh idle between requests);
 3. overload: Poisson at --factor x capacity for --duration seconds, QoS mix 20/60/20.
 
-It prints, per class, what was sent, answered, refused (RESOURCE_EXHAUSTED) and anything
-else, and the answered requests' latency, then realtime's P99 against its unloaded P99s.
+It prints, per class, what was sent, answered (and of those, degraded), refused
+(RESOURCE_EXHAUSTED) and anything else, and the answered requests' latency, then realtime's
+P99 against its unloaded P99s.
+
+With `--cheaper int8` (or int4) a cheaper variant of the same checkpoint runs beside it, with
+the same admission flags, and the mesh's gateway degrades to it (`--degrade-target`,
+services/gateway/degrade.py): best-effort work the mesh would refuse for its queue is served
+there, its answers marked `x-vlmesh-degraded`, before anything is refused.
 Every request ends with a result or a status: sent == answered + refused + other, with
 nothing lost, by construction of the load generator.
 
-    python -m bench.overload --model models/demo [--duration 30] [--factor 3] [--out overload.json]
+    python -m bench.overload --model models/demo [--duration 30] [--factor 3] [--cheaper int8] [--out overload.json]
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ def by_class(records) -> dict[str, dict]:
     for level in QosLevel:
         recs = [r for r in records if r.request.qos is level]
         ok = [r.outcome.e2e_s * 1000 for r in recs if r.outcome.status == "OK"]
+        degraded = sum(r.outcome.status == "OK" and bool(r.outcome.degraded) for r in recs)
         refused = sum(r.outcome.status == "RESOURCE_EXHAUSTED" for r in recs)
         refusal_ms = [r.outcome.e2e_s * 1000 for r in recs if r.outcome.status == "RESOURCE_EXHAUSTED"]
         other: dict[str, int] = {}
@@ -70,6 +77,7 @@ def by_class(records) -> dict[str, dict]:
             "stages_ms_p50": {k: percentile([s[k] for s in stages], 50) for k in stages[0]} if stages else {},
             "sent": len(recs),
             "answered": len(ok),
+            "degraded": degraded,
             "refused": refused,
             "other": other,
             "e2e_ms_p50": percentile(ok, 50) if ok else None,
@@ -83,8 +91,9 @@ async def run(args) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    mesh = Mesh(
-        MeshOptions.from_flags(
+
+    def options(**more) -> MeshOptions:
+        return MeshOptions.from_flags(
             args.admission,  # gateway admission flags, e.g. --max-in-flight realtime=16
             model=args.model,
             gateway_port=0,
@@ -96,9 +105,22 @@ async def run(args) -> dict:
             max_llm_batch=args.max_llm_batch,
             warmup_requests=4,
             log_level="warning",
+            **more,
         )
-    )
-    mesh.start(progress=lambda m: print(f"overload: {m}", file=sys.stderr, flush=True))
+
+    def progress(name: str):
+        return lambda m: print(f"overload: {name}{m}", file=sys.stderr, flush=True)
+
+    cheaper = Mesh(options(quantize=args.cheaper)) if args.cheaper else None
+    if cheaper is not None:
+        cheaper.start(progress=progress(f"{args.cheaper}: "))
+    mesh = Mesh(options(degrade_target=cheaper.target("gateway")) if cheaper else options())
+    try:
+        mesh.start(progress=progress(""))
+    except BaseException:
+        if cheaper is not None:
+            cheaper.stop()
+        raise
     target = MeshTarget(mesh.target("gateway"))
     try:
         standard = RequestFactory(WORKLOADS["W1"], tokenizer, args.seed, (0.0, 1.0, 0.0))
@@ -115,6 +137,8 @@ async def run(args) -> dict:
     finally:
         await target.close()
         mesh.stop()
+        if cheaper is not None:
+            cheaper.stop()
     unloaded = {}
     for name, records in alone.items():
         ok = [r.outcome.e2e_s * 1000 for r in records if r.outcome.status == "OK"]
@@ -133,6 +157,7 @@ async def run(args) -> dict:
         "overload": by_class(loaded),
         "client": client,
         "admission": args.admission,
+        "cheaper": args.cheaper,
     }
 
 
@@ -147,13 +172,14 @@ def report(result: dict) -> str:
             f"{u['e2e_ms_p99']:.0f} ms ({u['answered']}/{u['sent']} answered)"
         )
     lines += [
-        f"{'class':<12}{'sent':>6}{'answered':>10}{'refused':>9}{'other':>8}{'e2e p50':>9}{'e2e p99':>9}"
-        f"{'refusal p99':>13}",
+        f"{'class':<12}{'sent':>6}{'answered':>10}{'degraded':>10}{'refused':>9}{'other':>8}{'e2e p50':>9}"
+        f"{'e2e p99':>9}{'refusal p99':>13}",
     ]
     fmt = lambda v: f"{v:.0f}" if v is not None else "-"  # noqa: E731
     for level, c in result["overload"].items():
         lines.append(
-            f"{level:<12}{c['sent']:>6}{c['answered']:>10}{c['refused']:>9}{sum(c['other'].values()):>8}"
+            f"{level:<12}{c['sent']:>6}{c['answered']:>10}{c['degraded']:>10}{c['refused']:>9}"
+            f"{sum(c['other'].values()):>8}"
             f"{fmt(c['e2e_ms_p50']):>9}{fmt(c['e2e_ms_p99']):>9}{fmt(c['refusal_ms_p99']):>13}"
         )
     rt = result["overload"]["realtime"]["e2e_ms_p99"]
@@ -176,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-llm-batch", type=int, default=llm_config.DEFAULT_MAX_BATCH)
     p.add_argument("--threads", type=int, default=1, help="torch threads per service (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--cheaper",
+        choices=("int8", "int4"),
+        default=None,
+        help="run a cheaper variant beside the mesh, which degrades best-effort work to it (default: none)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     p.add_argument("admission", nargs="*", help="gateway admission flags after --, e.g. -- --max-in-flight realtime=16")
     return p

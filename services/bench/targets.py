@@ -13,7 +13,8 @@ from pathlib import Path
 import grpc
 
 from services.bench.workloads import BenchRequest
-from services.common.qos import QOS_METADATA_KEY
+from services.common.config import DEGRADED_METADATA_KEY
+from services.common.qos import QOS_METADATA_KEY, metadata_value
 from services.common.server import GRPC_OPTIONS
 from services.common.timings import Timings
 from services.common.tls import aio_channel
@@ -34,6 +35,7 @@ class Outcome:
     timings: Timings | None = None  # the system's own account of where the time went, if it gives one
     text: str = ""  # the answer, for checking that two systems did the same work
     cached_tokens: int = 0  # prompt positions served from the llm's prefix cache (usage.cached_tokens)
+    degraded: str = ""  # how overload degraded the answer (x-vlmesh-degraded), "" if it did not
 
     @property
     def feature_hit(self) -> bool | None:
@@ -83,15 +85,15 @@ class MeshTarget:
         msg = gateway_pb2.GenerateRequest(
             images=[pb.Image(data=req.image, mime_type="image/jpeg")], prompt=req.prompt, sampling=sampling_for(req)
         )
+        call = self.stub.Generate(msg, metadata=mesh_metadata(req.qos.wire, self._api_key), timeout=REQUEST_TIMEOUT_S)
         try:
-            async for out in self.stub.Generate(
-                msg, metadata=mesh_metadata(req.qos.wire, self._api_key), timeout=REQUEST_TIMEOUT_S
-            ):
+            async for out in call:
                 if out.token_ids and ttft is None:
                     ttft = time.perf_counter() - start
                 tokens += len(out.token_ids)
                 text.append(out.text)
                 final = out
+            degraded = metadata_value(await call.initial_metadata(), DEGRADED_METADATA_KEY) or ""
         except grpc.aio.AioRpcError as err:
             return Outcome(err.code().name, time.perf_counter() - start)
         if final is None or final.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
@@ -104,6 +106,7 @@ class MeshTarget:
             Timings.from_pb(final.timings),
             "".join(text),
             final.usage.cached_tokens,
+            degraded,
         )
 
     async def close(self) -> None:

@@ -22,6 +22,7 @@ SWITCH_INTERVAL_MS = 0.5
 READY_SIGNALS = ("sync", "event")
 QUANTIZATIONS = ("none", "int8", "int4")  # --quantize (services/model/quantize.py)
 VARIANT_METADATA_KEY = "x-model-variant"  # response: who served; request: who must serve
+DEGRADED_METADATA_KEY = "x-vlmesh-degraded"  # response: how overload degraded it; request: relayed already
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # The mesh's well-known defaults, each written once. Each service's config names its own

@@ -47,6 +47,11 @@ REJECTIONS = Counter(
     "Requests refused before any work: auth, tenant limits, queue limits, budgets",
     ["service", "qos_level", "reason"],
 )
+DEGRADATIONS = Counter(
+    "vlmesh_degradations_total",
+    "Requests served degraded instead of refused under overload (kind: variant, max_tokens)",
+    ["qos_level", "kind"],
+)
 IN_FLIGHT = Gauge("vlmesh_in_flight", "Admitted requests not yet answered (gateway)", ["qos_level"])
 WORKER_CIRCUIT = Gauge(
     "vlmesh_worker_circuit", "The gateway's breaker of each worker: 0 closed, 1 half-open, 2 open", ["worker"]

@@ -194,6 +194,22 @@ class GatewayConfig:
         help="seconds a cut-off worker gets no requests before one probes it (doubled after each failed "
         "probe) (default %(default)s)",
     )
+    degrade_target: str | None = flag(
+        "--degrade-target",
+        default=None,
+        metavar="HOST:PORT",
+        help="the gateway of a cheaper variant of this model: best-effort requests that admission would "
+        "refuse for the queue are relayed there instead, marked x-vlmesh-degraded (vlmesh up --variants "
+        "sets it; default: none)",
+    )
+    degrade_variant: str | None = flag(
+        "--degrade-variant",
+        default=None,
+        metavar="NAME",
+        help="the cheaper variant's name, sent as x-model-variant on each relayed request, so that a "
+        "router in front of several variants (Istio, Envoy) takes it there (default: none, for a "
+        "--degrade-target that is that variant's own gateway)",
+    )
     max_images: int = flag("--max-images", default=1, help="images per request (default %(default)s)")
     tenants: str | None = flag(
         "--tenants",
@@ -220,6 +236,10 @@ class GatewayConfig:
                     raise ValueError(f"{flag_name} {target!r} must be HOST:PORT (or unix:PATH)")
         if len(self.vision_target.split(",")) != len(self.llm_target.split(",")):
             raise ValueError("--vision-target and --llm-target must name as many addresses: one of each per worker")
+        if self.degrade_target is not None and ":" not in self.degrade_target:
+            raise ValueError(f"--degrade-target {self.degrade_target!r} must be HOST:PORT (or unix:PATH)")
+        if self.degrade_variant is not None and self.degrade_target is None:
+            raise ValueError("--degrade-variant needs --degrade-target")
         if self.breaker_failures < 1 or self.breaker_cooldown_s <= 0:
             raise ValueError("--breaker-failures must be >= 1 and --breaker-cooldown-s > 0")
         if self.tenants:

@@ -34,6 +34,7 @@ async def serve(cfg: gateway_config.GatewayConfig) -> None:
         access_log=cfg.access_log,
         peer_credentials=cfg.server.channel_credentials(),
         breaker=(cfg.breaker_failures, cfg.breaker_cooldown_s),
+        degrade=(cfg.degrade_target, cfg.degrade_variant),
     )
     http = await start_http(cfg, servicer) if cfg.http.port >= 0 else None
     running = await start_server(

@@ -18,15 +18,16 @@ import grpc
 
 from services.common import metrics, rpc, telemetry
 from services.common.config import VARIANT_METADATA_KEY
-from services.common.errors import InvalidArgument, MeshError, NotFound, from_rpc_error
+from services.common.errors import MeshError, from_rpc_error
 from services.common.logs import request_context
-from services.common.qos import QosLevel, metadata_value, qos_from_metadata, qos_metadata
+from services.common.qos import QosLevel, qos_from_metadata, qos_metadata
 from services.common.sampling import Sampling
 from services.common.server import INTERNAL_OPTIONS
 from services.common.timings import Timings
-from services.common.validation import check_conversation, check_images, check_sampling
 from services.gateway.access_log import AccessLog, Entry
 from services.gateway.admission import Admission, AdmissionConfig, Ticket
+from services.gateway.checks import MAX_REQUEST_ID_CHARS, check_request
+from services.gateway.degrade import CheaperVariant, Degrader
 from services.gateway.tenants import Tenant, TenantRegistry
 from services.gateway.workers import Worker, Workers
 from services.handoff.release import release_leases
@@ -35,7 +36,6 @@ from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc, llm_pb2, vision_pb2
 
 log = logging.getLogger(__name__)
 
-MAX_REQUEST_ID_CHARS = 128
 # Refusals at admission, by status, for vlmesh_rejections_total (admission's own set their reason).
 REFUSAL_REASONS = {
     grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
@@ -67,12 +67,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         access_log: bool = True,
         peer_credentials: grpc.ChannelCredentials | None = None,  # mTLS to vision and llm (services/common/tls.py)
         breaker: tuple[int, float] = (5, 5.0),  # failures in a row, cool-down s (services/gateway/workers.py)
+        degrade: tuple[str | None, str | None] = (None, None),  # cheaper variant: target, name (gateway/degrade.py)
     ) -> None:
         self.tenants = tenants
         self.access = AccessLog(access_log)
         self.admission = Admission(admission or AdmissionConfig())
         interceptors = telemetry.client_interceptors()  # W3C trace context into the metadata
         self.workers = Workers(vision_target, llm_target, peer_credentials, interceptors, INTERNAL_OPTIONS, *breaker)
+        cheaper = CheaperVariant(*degrade, peer_credentials, interceptors) if degrade[0] else None
+        self.degrade = Degrader(self.admission, cheaper)
         self.max_images = max_images
         self._background: set[asyncio.Task] = set()
 
@@ -109,28 +112,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if tenant is not None and not tenant.internal:  # the warm-up is no tenant's usage
                     self.tenants.admit(tenant, qos, request.images)
                     charged = tenant  # refunded below if the request is refused after all
-                if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-                    raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
-                check_images(request.images, self.max_images)
-                check_conversation(request.prompt, request.messages, len(request.images))
                 info = await self.llm_info()
-                if request.model and request.model != info.model_id:
-                    raise InvalidArgument(
-                        f"model {request.model!r} is not served here; this mesh serves {info.model_id!r}"
-                    )
-                pinned = metadata_value(metadata_in, VARIANT_METADATA_KEY)
-                if pinned and pinned != info.variant:
-                    raise NotFound(
-                        f"{VARIANT_METADATA_KEY} {pinned!r} is not served here; this worker serves {info.variant!r} "
-                        "(the mesh's router sends a pinned request to its variant)"
-                    )
-                sampling = check_sampling(request.sampling, info.max_context)
-                # The fewest tokens the request will surely generate: admission refuses only work that
-                # cannot finish in time, not work that might stop early at EOS.
-                surely = (
-                    (sampling.max_tokens or info.default_max_tokens) if sampling.ignore_eos else sampling.min_tokens
+                sampling, surely = check_request(request, metadata_in, info, self.max_images)
+                cap = tenant.limits.get("degrade_max_tokens") if tenant else None
+                admitted = self.degrade.admit(
+                    qos, context.time_remaining(), surely, metadata_in, cap, sampling, info.default_max_tokens
                 )
-                ticket = self.admission.admit(qos, context.time_remaining(), max(1, surely))
+                ticket, sampling = admitted.ticket, admitted.sampling
             except MeshError as err:
                 if charged is not None:
                     self.tenants.refund(charged)
@@ -139,11 +127,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 metrics.REJECTIONS.labels("gateway", level, reason).inc()
                 telemetry.annotate({"admission.decision": "refused", "admission.reason": reason}, span)
                 raise
-            telemetry.annotate({"admission.decision": "admitted"}, span)
+            decision = "admitted" if ticket is not None and not admitted.headers else "degraded"
+            telemetry.annotate({"admission.decision": decision}, span)
+        if ticket is None:  # overloaded: relayed to the cheaper variant (services/gateway/degrade.py)
+            try:
+                async for out in self.degrade.cheaper.relay(request, metadata_in, context, qos, admitted.refusal):
+                    yield out
+            finally:
+                if charged is not None:
+                    self.tenants.done(charged)
+            return
         worker = None
         try:
             worker = self.workers.pick()
-            await context.send_initial_metadata(((VARIANT_METADATA_KEY, info.variant),))  # who serves it
+            await context.send_initial_metadata(((VARIANT_METADATA_KEY, info.variant), *admitted.headers))
             telemetry.annotate(
                 {
                     "model.id": info.model_id,
@@ -200,6 +197,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     messages=request.messages,
                     image_features=encoded.features,
                     sampling=sampling.to_pb(),  # checked and normalised here, once
+                    max_prompt_tokens=tenant.limits.get("max_prompt_tokens", 0) if tenant else 0,
                 ),
                 metadata=metadata,
                 timeout=context.time_remaining(),

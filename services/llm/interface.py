@@ -29,6 +29,7 @@ class Job:
     sampling: Sampling
     qos: QosLevel
     feature_keys: list[bytes] = field(default_factory=list)  # content key per image (b"" unknown); may be empty
+    max_prompt_tokens: int = 0  # the tenant's limit on the prompt, image tokens included; 0: none
 
 
 class Leases(Protocol):

@@ -95,7 +95,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
                 )
             handoff = time.perf_counter() - t0
             keys = [ref.content_key for ref in refs]
-            job = Job(request.request_id, prompt, features.tensors, sampling, qos, keys)
+            job = Job(request.request_id, prompt, features.tensors, sampling, qos, keys, request.max_prompt_tokens)
             # An engine that reads in place verifies, then releases, the leases after its prefill.
             sub = self.engine.submit(job, features.hold() if self.engine.reads_in_place else None)
         except BaseException:

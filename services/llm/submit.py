@@ -26,6 +26,11 @@ def new_request(prompts: PromptBuilder, default_max_tokens: int, job: Job, emit:
     context, used = spec.text.max_context, len(built.ids)
     room = context - used
     sampling = job.sampling
+    if job.max_prompt_tokens and used > job.max_prompt_tokens:
+        raise InvalidArgument(
+            f"the prompt takes {used} tokens (image tokens included); this request's tenant may send at most "
+            f"{job.max_prompt_tokens} (its max_prompt_tokens)"
+        )
     if room < 1:  # image positions included: they are part of what the model reads
         raise InvalidArgument(
             f"the prompt takes {used} tokens; the model's context is {context}, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.common.qos import QosLevel
 from services.launcher.routing import parse_variants
 from services.launcher.variants import VariantMesh
 from tests.helpers import image_bytes, mesh_options
@@ -28,12 +30,14 @@ def variants():
     # The feature cache is on (the default): its pictures repeat, so after the failover one
     # worker takes ~200 req/s of one cached picture, which is how the share/release race of
     # arena.py showed (about one FAILED_PRECONDITION in a thousand before the fix).
+    # Best-effort work is admitted only while a worker is idle: the degradation test's overload.
     opts = mesh_options(
         DEMO,
         max_llm_batch=8,
         warmup_requests=1,
         variants="full=70,int8=30",
         envoy_admin_port=0,
+        max_in_flight={QosLevel.BEST_EFFORT: 1},
     )
     with VariantMesh(opts, parse_variants(opts.variants), opts.envoy_admin_port) as mesh:
         mesh.start(progress=lambda m: None)
@@ -81,6 +85,43 @@ def test_new_weights_take_effect_without_a_restart(variants, stub):
     finally:
         variants.set_weights({"full": 70, "int8": 30})
     assert variants.envoy.pid == pid and variants.envoy.poll() is None
+
+
+def test_best_effort_work_over_the_full_variants_queue_is_served_by_the_cheaper_one(variants, stub):
+    """Issue 19's degradation: the full variant busy (one long request in flight), a best-effort
+    request routed to it is relayed to int8 and says so; a standard one stays on full; pinned
+    to full, best-effort is refused as before."""
+    variants.set_weights({"full": 100, "int8": 0})
+    long = gateway_pb2.GenerateRequest(
+        images=[pb.Image(data=PICTURE)],
+        prompt="Tell me a story.",
+        sampling=pb.SamplingParams(max_tokens=400, ignore_eos=True),
+    )
+    short = gateway_pb2.GenerateRequest(
+        images=[pb.Image(data=PICTURE)], prompt="What?", sampling=pb.SamplingParams(max_tokens=2)
+    )
+    best_effort = (("qos-level", "best-effort"),)
+    try:
+        busy = stub.Generate(long, timeout=60)
+        next(busy)  # admitted and decoding on full
+        _, call = stub.GenerateUnary.with_call(short, metadata=best_effort, timeout=30)
+        served = dict(call.initial_metadata())
+        assert served["x-model-variant"] == "int8" and served["x-vlmesh-degraded"] == "variant=int8"
+        _, call = stub.GenerateUnary.with_call(short, timeout=30)
+        assert dict(call.initial_metadata())["x-model-variant"] == "full"
+        assert "x-vlmesh-degraded" not in dict(call.initial_metadata())
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.GenerateUnary(short, metadata=(*best_effort, ("x-model-variant", "full")), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        busy.cancel()
+    finally:
+        variants.set_weights({"full": 70, "int8": 30})
+    gateway = variants.meshes["full"]
+    with urllib.request.urlopen(
+        f"http://{gateway.configs['gateway'].server.host}:{gateway.metrics_ports['gateway']}/metrics"
+    ) as r:
+        text = r.read().decode()
+    assert 'vlmesh_degradations_total{kind="variant",qos_level="best-effort"} 1.0' in text
 
 
 def test_a_killed_gateway_is_ejected_and_the_other_variant_serves(variants, stub):

@@ -3,7 +3,8 @@
 The mesh runs the latency-protection profile of docs/PERF.md (--max-in-flight
 realtime=24,standard=4,best-effort=2). Every request ends answered or refused, realtime is
 never refused and keeps its P99 within 2x of its P99 when it has the mesh to itself,
-best-effort absorbs the most refusals, and refusals come back at once.
+best-effort absorbs the most refusals, and refusals come back at once. With a cheaper variant
+beside it, best-effort is degraded to that variant before it is refused (issue 19).
 """
 
 from __future__ import annotations
@@ -14,16 +15,21 @@ import sys
 
 from tests.helpers import ROOT
 
+PROFILE = ["--max-in-flight", "realtime=24,standard=4,best-effort=2"]
 
-def test_realtime_keeps_its_latency_at_three_times_capacity(tmp_path):
+
+def overload(tmp_path, *flags: str) -> dict:
     """Runs the benchmark as its users do (tests and bench/ never import each other)."""
-    profile = ["--max-in-flight", "realtime=24,standard=4,best-effort=2"]
     out = tmp_path / "overload.json"
     cmd = [sys.executable, "-m", "bench.overload", "--model", str(ROOT / "models" / "demo"), "--duration", "30"]
-    run = subprocess.run([*cmd, "--out", str(out), "--", *profile], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run([*cmd, *flags, "--out", str(out), "--", *PROFILE], cwd=ROOT, capture_output=True, text=True)
     print(run.stdout)
     assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_realtime_keeps_its_latency_at_three_times_capacity(tmp_path):
+    result = overload(tmp_path)
     classes = result["overload"]
     for level, c in classes.items():
         assert c["other"] == {}, f"{level}: statuses other than OK and RESOURCE_EXHAUSTED: {c['other']}"
@@ -36,3 +42,20 @@ def test_realtime_keeps_its_latency_at_three_times_capacity(tmp_path):
         assert classes[level]["refusal_ms_p99"] < 500, "refusals must be quick, not after a wait"
     alone = result["unloaded"]["alone"]["e2e_ms_p99"]
     assert classes["realtime"]["e2e_ms_p99"] <= 2 * alone
+    assert all(c["degraded"] == 0 for c in classes.values())  # nowhere to degrade to
+
+
+def test_with_a_cheaper_variant_best_effort_degrades_before_it_is_refused(tmp_path):
+    """The same overload, an int8 variant beside the mesh (its own workers, the same profile):
+    best-effort work the mesh would refuse is served by int8 first, marked degraded; realtime
+    and standard are never degraded, and realtime keeps its latency as without it."""
+    result = overload(tmp_path, "--cheaper", "int8")
+    classes = result["overload"]
+    for level, c in classes.items():
+        assert c["other"] == {}, f"{level}: statuses other than OK and RESOURCE_EXHAUSTED: {c['other']}"
+        assert c["sent"] == c["answered"] + c["refused"] > 0, level
+    best = classes["best-effort"]
+    assert best["degraded"] >= 0.1 * best["sent"], best  # served by int8 instead of refused
+    assert classes["realtime"]["refused"] == 0
+    assert classes["realtime"]["degraded"] == classes["standard"]["degraded"] == 0
+    assert classes["realtime"]["e2e_ms_p99"] <= 2 * result["unloaded"]["alone"]["e2e_ms_p99"]

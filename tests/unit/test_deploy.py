@@ -18,6 +18,7 @@ import yaml
 
 from services.launcher.istio import VARIANT_LABEL, percents, render
 from services.launcher.routing import RUNTIME_PREFIX, envoy_config, parse_variants
+from services.launcher.variants import COST
 from tests.helpers import ROOT
 
 DEPLOY = ROOT / "deploy"
@@ -141,6 +142,7 @@ def test_the_committed_istio_yaml_is_what_variants_txt_renders():
 
 def test_weights_subsets_and_labels_agree_everywhere(everything):
     names = [v.name for v in VARIANTS]
+    cheapest = min(VARIANTS, key=lambda v: COST[v.quantize])
     by_kind: dict[str, list[dict]] = {}
     for doc in everything:
         by_kind.setdefault(doc["kind"], []).append(doc)
@@ -156,6 +158,13 @@ def test_weights_subsets_and_labels_agree_everywhere(everything):
         llm = next(c for c in pod["spec"]["containers"] if c["name"] == "llm")
         args = llm["args"]
         assert args[args.index("--quantize") + 1] == v.quantize and args[args.index("--variant") + 1] == v.name
+        # The costlier variants' gateways degrade to the cheapest, through the Service and its pin.
+        gateway = next(c for c in pod["spec"]["containers"] if c["name"] == "gateway")["args"]
+        if v is cheapest:
+            assert "--degrade-target" not in gateway
+        else:
+            degrade = gateway[gateway.index("--degrade-target") + 1], gateway[gateway.index("--degrade-variant") + 1]
+            assert degrade == ("vlmesh:50051", cheapest.name)
     # DestinationRule: a subset per variant, selecting exactly those pods.
     (rule,) = by_kind["DestinationRule"]
     assert {s["name"]: s["labels"] for s in rule["spec"]["subsets"]} == {n: {VARIANT_LABEL: n} for n in names}

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LlmGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "image_features", "sampling", "messages")
+    __slots__ = ("request_id", "prompt", "image_features", "sampling", "messages", "max_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FEATURES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     image_features: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorRef]
     sampling: _common_pb2.SamplingParams
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., image_features: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
+    max_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., image_features: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., max_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class LlmGenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "timings")

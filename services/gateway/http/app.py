@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.common import metrics, telemetry
-from services.common.config import VARIANT_METADATA_KEY
+from services.common.config import DEGRADED_METADATA_KEY, VARIANT_METADATA_KEY
 from services.common.errors import MeshError, ResourceExhausted, http_status
 from services.gateway.config import HttpConfig
 from services.gateway.http.images import ImageFetcher
@@ -135,7 +135,7 @@ class OpenAiApi:
         if isinstance(first, MeshError):
             return error_response(first)
         req, call, head = first
-        out_headers = {k: v for k, v in call.initial_metadata if k == VARIANT_METADATA_KEY}
+        out_headers = {k: v for k, v in call.initial_metadata if k in (VARIANT_METADATA_KEY, DEGRADED_METADATA_KEY)}
         out_headers["x-request-id"] = head.request_id
         answer = Completion(head.request_id, req.model or (await self.servicer.llm_info()).model_id)
         if req.stream:

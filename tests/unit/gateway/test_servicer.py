@@ -408,3 +408,41 @@ def test_the_breaker_opens_after_failures_in_a_row_and_backs_off_after_a_failed_
     b.started()
     b.record(True)
     assert b.state == CLOSED and b.allows()
+
+
+def test_overloaded_best_effort_work_of_a_tenant_that_allows_it_is_served_with_fewer_tokens(tmp_path):
+    """degrade_max_tokens (services/gateway/degrade.py): over its budget with 100 tokens, within it
+    with 2; the llm gets the cap and the tenant's max_prompt_tokens, and the answer says so."""
+    import json
+
+    from services.gateway.tenants import TenantRegistry
+
+    path = tmp_path / "tenants.json"
+    entry = {"id": "t", "api_keys": ["k"], "max_qos": "realtime", "burst": 10, "degrade_max_tokens": 2}
+    path.write_text(json.dumps({"tenants": [{**entry, "max_prompt_tokens": 900}]}))
+    tenants = TenantRegistry.load(path)
+    auth = (("authorization", "Bearer k"),)
+    long = pb.SamplingParams(max_tokens=100, ignore_eos=True)
+    vision, llm = fake_vision(), FakeLlm([STREAM[0], HANG])
+
+    async def main():
+        async with gateway_service(vision, llm, AdmissionConfig(parallelism=1), tenants) as (stub, servicer):
+            hanging = stub.Generate(request(), metadata=auth, timeout=10)
+            await hanging.read()  # one batch ahead of the next request
+            servicer.admission.stage_s.update(preprocess=0.0, vision=0.0, prefill=0.0, decode=1.0)  # 1 s a token
+            llm.script = STREAM
+            call = stub.GenerateUnary(
+                request(request_id="g-2", sampling=long), metadata=(*auth, ("qos-level", "best-effort")), timeout=10
+            )
+            answer, metadata = await call, dict(await call.initial_metadata())
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # standard has no such cap: refused
+                await stub.GenerateUnary(request(request_id="g-3", sampling=long), metadata=auth, timeout=10)
+            hanging.cancel()
+            return answer, metadata, refused.value
+
+    answer, metadata, refused = asyncio.run(main())
+    assert metadata["x-vlmesh-degraded"] == "max_tokens=2" and answer.usage.output_tokens == 4
+    sent, _ = llm.generates[1]
+    assert sent.request_id == "g-2" and sent.sampling.max_tokens == 2 and sent.max_prompt_tokens == 900
+    assert llm.generates[0][0].max_prompt_tokens == 900
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "budget" in refused.details()

@@ -245,6 +245,17 @@ def test_image_byte_and_pixel_limits(tmp_path):
 
 
 @pytest.mark.parametrize("value", [0, 1.5, "8", True])
-def test_a_bad_limit_is_refused(tmp_path, value):
-    with pytest.raises(ValueError, match='tenant "acme": max_streams must be'):
-        registry(tmp_path, max_streams=value)
+@pytest.mark.parametrize("limit", ["max_streams", "max_prompt_tokens", "degrade_max_tokens"])
+def test_a_bad_limit_is_refused(tmp_path, value, limit):
+    with pytest.raises(ValueError, match=f'tenant "acme": {limit} must be'):
+        registry(tmp_path, **{limit: value})
+
+
+def test_the_prompt_and_degradation_limits_are_read():
+    import json
+
+    from services.gateway.tenants import TenantRegistry
+
+    entry = {"id": "t", "api_keys": ["k"], "max_prompt_tokens": 900, "degrade_max_tokens": 32}
+    tenant = TenantRegistry._parse(json.dumps({"tenants": [entry]}))["k"]
+    assert tenant.limits == {"max_prompt_tokens": 900, "degrade_max_tokens": 32}

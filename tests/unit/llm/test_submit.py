@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -49,3 +51,19 @@ def test_a_prompt_longer_than_the_context_names_the_context(prompts, max_tokens)
         new_request(prompts, 16, job(prompts, prompt, max_tokens), lambda out: None)
     # The prompt is the problem whatever max_tokens says (not "leaving room for at most -300").
     assert info.value.message.startswith(f"the prompt takes {used} tokens; the model's context is {context}")
+
+
+def test_a_prompt_over_its_tenants_max_prompt_tokens_is_refused(prompts):
+    prompt = "What is in the image?"
+    used = len(prompts.build(prompt, 1).ids)  # image tokens included
+    for limit, ok in ((used, True), (used - 1, False), (0, True)):  # 0: no limit
+        j = dataclasses.replace(job(prompts, prompt, 4), max_prompt_tokens=limit)
+        if ok:
+            new_request(prompts, 16, j, lambda out: None)
+            continue
+        with pytest.raises(InvalidArgument) as info:
+            new_request(prompts, 16, j, lambda out: None)
+        assert info.value.message == (
+            f"the prompt takes {used} tokens (image tokens included); this request's tenant may send at most "
+            f"{used - 1} (its max_prompt_tokens)"
+        )

@@ -1,0 +1,40 @@
+"""What the gateway checks of a request before admission, against the model its workers serve."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.common.config import VARIANT_METADATA_KEY
+from services.common.errors import InvalidArgument, NotFound
+from services.common.qos import metadata_value
+from services.common.sampling import Sampling
+from services.common.validation import check_conversation, check_images, check_sampling
+from vlmesh.v1 import common_pb2 as pb
+from vlmesh.v1 import gateway_pb2
+
+MAX_REQUEST_ID_CHARS = 128
+
+
+def check_request(
+    request: gateway_pb2.GenerateRequest, metadata: Sequence | None, info: pb.ServiceInfo, max_images: int
+) -> tuple[Sampling, int]:
+    """(the resolved sampling, the output tokens the request will surely generate), or the MeshError.
+
+    Surely: admission refuses only work that cannot finish in time, not work that might stop
+    early at EOS.
+    """
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+    check_images(request.images, max_images)
+    check_conversation(request.prompt, request.messages, len(request.images))
+    if request.model and request.model != info.model_id:
+        raise InvalidArgument(f"model {request.model!r} is not served here; this mesh serves {info.model_id!r}")
+    pinned = metadata_value(metadata, VARIANT_METADATA_KEY)
+    if pinned and pinned != info.variant:
+        raise NotFound(
+            f"{VARIANT_METADATA_KEY} {pinned!r} is not served here; this worker serves {info.variant!r} "
+            "(the mesh's router sends a pinned request to its variant)"
+        )
+    sampling = check_sampling(request.sampling, info.max_context)
+    surely = (sampling.max_tokens or info.default_max_tokens) if sampling.ignore_eos else sampling.min_tokens
+    return sampling, max(1, surely)
