@@ -31,15 +31,21 @@ import grpc
 from services.common import metrics
 from services.common.config import DEGRADED_METADATA_KEY, VARIANT_METADATA_KEY
 from services.common.errors import ResourceExhausted, from_rpc_error
-from services.common.qos import QosLevel, metadata_value
+from services.common.qos import QOS_METADATA_KEY, QosLevel, metadata_value
 from services.common.sampling import Sampling
 from services.common.server import INTERNAL_OPTIONS
 from services.gateway.admission import Admission, Ticket
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 QUEUE_REASONS = ("queue_full", "budget")
-# Metadata a relay must not copy: gRPC's own, and what the channel sets (deadline, encoding).
-_NOT_RELAYED = ("grpc-", ":", "user-agent", "content-type", "te", "host")
+OURS = (DEGRADED_METADATA_KEY, VARIANT_METADATA_KEY)  # set by the relay itself
+
+
+def relayed(key: str) -> bool:
+    """Whether a relay copies this request metadata: the API key, the class and custom x- keys;
+    not transport headers (gRPC's, or HTTP's from the HTTP door) nor the trace context, which
+    the relay's own client interceptor writes for its span."""
+    return key in ("authorization", QOS_METADATA_KEY) or (key.startswith("x-") and key not in OURS)
 
 
 def degradable(qos: QosLevel, refusal: ResourceExhausted, metadata: Sequence | None) -> bool:
@@ -93,7 +99,7 @@ class CheaperVariant:
 
         Its refusal comes back as it is; if it cannot be reached, this gateway's own `refusal`.
         """
-        headers = [(k, v) for k, v in metadata or () if not k.startswith(_NOT_RELAYED)]
+        headers = [(k, v) for k, v in metadata or () if relayed(k)]
         headers.append((DEGRADED_METADATA_KEY, "relayed"))
         if self.variant:  # for a router in front of the variants: pinned there
             headers.append((VARIANT_METADATA_KEY, self.variant))

@@ -121,7 +121,7 @@ def test_best_effort_work_over_the_full_variants_queue_is_served_by_the_cheaper_
         f"http://{gateway.configs['gateway'].server.host}:{gateway.metrics_ports['gateway']}/metrics"
     ) as r:
         text = r.read().decode()
-    assert 'vlmesh_degradations_total{kind="variant",qos_level="best-effort"} 1.0' in text
+    assert 'vlmesh_degradations_total{qos_level="best-effort",kind="variant"} 1.0' in text
 
 
 def test_a_killed_gateway_is_ejected_and_the_other_variant_serves(variants, stub):

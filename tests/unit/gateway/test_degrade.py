@@ -84,3 +84,11 @@ def test_capped_keeps_min_tokens_under_the_cap_and_fills_a_missing_max():
     s = capped(Sampling(None, 0.0, 1.0, None, (), 100, False), 32, DEFAULT_MAX)
     assert (s.max_tokens, s.min_tokens) == (32, 32)
     assert capped(LONG, 1000, DEFAULT_MAX).max_tokens == 512
+
+
+def test_a_relay_copies_the_key_the_class_and_custom_headers_only():
+    from services.gateway.degrade import relayed
+
+    assert [k for k in ("authorization", "qos-level", "x-request-id", "x-tenant-note") if not relayed(k)] == []
+    dropped = ("content-length", "connection", "user-agent", "grpc-timeout", ":authority", "traceparent", "te")
+    assert [k for k in (*dropped, "x-vlmesh-degraded", "x-model-variant") if relayed(k)] == []
