@@ -93,14 +93,15 @@ class MeshTarget:
                 tokens += len(out.token_ids)
                 text.append(out.text)
                 final = out
+            e2e = time.perf_counter() - start  # before any other await: under load the loop may not come back soon
             degraded = metadata_value(await call.initial_metadata(), DEGRADED_METADATA_KEY) or ""
         except grpc.aio.AioRpcError as err:
             return Outcome(err.code().name, time.perf_counter() - start)
         if final is None or final.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
-            return Outcome("INCOMPLETE", time.perf_counter() - start)
+            return Outcome("INCOMPLETE", e2e)
         return Outcome(
             "OK",
-            time.perf_counter() - start,
+            e2e,
             ttft,
             tokens,
             Timings.from_pb(final.timings),
