@@ -15,9 +15,10 @@ P99 against its unloaded P99s.
 With `--cheaper int8` (or int4) a cheaper variant of the same checkpoint runs beside it, with
 the same admission flags, and the mesh's gateway degrades to it (`--degrade-target`,
 services/gateway/degrade.py): best-effort work the mesh would refuse for its queue is served
-there, its answers marked `x-vlmesh-degraded`, before anything is refused. Each variant runs on
-half of the host's cores then (its own hardware, as in a deployment; the capacity is the mesh's
-on its half).
+there, its answers marked `x-vlmesh-degraded`, before anything is refused. Deployed, each
+variant has its own hardware; here they share the host's cores, and the cheaper variant's
+processes run at the lowest CPU priority (nice 19), so that its work takes the cores the mesh
+leaves idle rather than its realtime requests' time.
 Every request ends with a result or a status: sent == answered + refused + other, with
 nothing lost, by construction of the load generator.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -61,6 +63,16 @@ async def measure_capacity(target: MeshTarget, factory: RequestFactory, concurre
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return done / (time.perf_counter() - start)
+
+
+def lowest_priority(pid: int) -> None:
+    """Nice 19 for every thread of a process and of its children (Linux; raising it needs no
+    privilege). Threads they start later inherit it."""
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
+            for child in (task / "children").read_text().split():
+                lowest_priority(int(child))
 
 
 def by_class(records) -> dict[str, dict]:
@@ -115,24 +127,19 @@ async def run(args) -> dict:
         return lambda m: print(f"overload: {name}{m}", file=sys.stderr, flush=True)
 
     cheaper = Mesh(options(quantize=args.cheaper)) if args.cheaper else None
-    cpus = sorted(os.sched_getaffinity(0))
-    # Each variant on its own hardware, as deployed: here half the cores each (the children
-    # inherit the mask of the thread that starts them), so that the cheaper variant's work does
-    # not slow the mesh's realtime requests by taking its cores.
-    halves = (cpus[: len(cpus) // 2], cpus[len(cpus) // 2 :]) if cheaper and len(cpus) > 1 else (cpus, cpus)
+    if cheaper is not None:
+        cheaper.start(progress=progress(f"{args.cheaper}: "))
+        # Deployed, each variant has its own hardware; on this host they share the cores, and
+        # the cheaper one yields them: its processes run at the lowest CPU priority.
+        for child in cheaper.children:
+            lowest_priority(child.proc.pid)
+    mesh = Mesh(options(degrade_target=cheaper.target("gateway")) if cheaper else options())
     try:
-        if cheaper is not None:
-            os.sched_setaffinity(0, halves[1])
-            cheaper.start(progress=progress(f"{args.cheaper} on CPUs {halves[1]}: "))
-        os.sched_setaffinity(0, halves[0])
-        mesh = Mesh(options(degrade_target=cheaper.target("gateway")) if cheaper else options())
-        mesh.start(progress=progress(f"on CPUs {halves[0]}: " if cheaper else ""))
+        mesh.start(progress=progress(""))
     except BaseException:
         if cheaper is not None:
             cheaper.stop()
         raise
-    finally:
-        os.sched_setaffinity(0, cpus)  # the load generator: every core
     target = MeshTarget(mesh.target("gateway"))
     try:
         standard = RequestFactory(WORKLOADS["W1"], tokenizer, args.seed, (0.0, 1.0, 0.0))

@@ -1,4 +1,4 @@
-"""What the gateway checks of a request before admission, against the model its workers serve."""
+"""What the gateway checks of a request before admission: the request alone, then against the served model."""
 
 from __future__ import annotations
 
@@ -15,18 +15,20 @@ from vlmesh.v1 import gateway_pb2
 MAX_REQUEST_ID_CHARS = 128
 
 
-def check_request(
-    request: gateway_pb2.GenerateRequest, metadata: Sequence | None, info: pb.ServiceInfo, max_images: int
-) -> tuple[Sampling, int]:
-    """(the resolved sampling, the output tokens the request will surely generate), or the MeshError.
-
-    Surely: admission refuses only work that cannot finish in time, not work that might stop
-    early at EOS.
-    """
+def check_request(request: gateway_pb2.GenerateRequest, max_images: int) -> None:
+    """What the request alone shows (before anything is asked of the workers), or the MeshError."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     check_images(request.images, max_images)
     check_conversation(request.prompt, request.messages, len(request.images))
+
+
+def check_served(
+    request: gateway_pb2.GenerateRequest, metadata: Sequence | None, info: pb.ServiceInfo
+) -> tuple[Sampling, int]:
+    """Against the served model: (the resolved sampling, the output tokens the request will
+    surely generate), or the MeshError. Surely: admission refuses only work that cannot finish
+    in time, not work that might stop early at EOS."""
     if request.model and request.model != info.model_id:
         raise InvalidArgument(f"model {request.model!r} is not served here; this mesh serves {info.model_id!r}")
     pinned = metadata_value(metadata, VARIANT_METADATA_KEY)

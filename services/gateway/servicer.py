@@ -26,7 +26,7 @@ from services.common.server import INTERNAL_OPTIONS
 from services.common.timings import Timings
 from services.gateway.access_log import AccessLog, Entry
 from services.gateway.admission import Admission, AdmissionConfig, Ticket
-from services.gateway.checks import MAX_REQUEST_ID_CHARS, check_request
+from services.gateway.checks import MAX_REQUEST_ID_CHARS, check_request, check_served
 from services.gateway.degrade import CheaperVariant, Degrader
 from services.gateway.tenants import Tenant, TenantRegistry
 from services.gateway.workers import Worker, Workers
@@ -112,8 +112,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if tenant is not None and not tenant.internal:  # the warm-up is no tenant's usage
                     self.tenants.admit(tenant, qos, request.images)
                     charged = tenant  # refunded below if the request is refused after all
+                check_request(request, self.max_images)
                 info = await self.llm_info()
-                sampling, surely = check_request(request, metadata_in, info, self.max_images)
+                sampling, surely = check_served(request, metadata_in, info)
                 cap = tenant.limits.get("degrade_max_tokens") if tenant else None
                 admitted = self.degrade.admit(
                     qos, context.time_remaining(), surely, metadata_in, cap, sampling, info.default_max_tokens

@@ -124,6 +124,7 @@ class PackedStep:
         self._masks = {b: self._block_mask(b) for b in self.buckets}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.rows = 0  # the bucket of the rows staged for the next run
+        self._ranks = np.zeros(0, dtype=np.int64)  # each staged sequence's rank (`_stage_pages`)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

@@ -143,7 +143,8 @@ class ModelRunner:
             argmax.append(self.packed.greedy[:completing])  # taken inside the captured step
         elif prefill:
             logits.append(self._prefill(chunks, *prefill))
-            argmax.append(logits[-1].argmax(-1))
+            if greedy:
+                argmax.append(logits[-1].argmax(-1))
         if decodes:
             self.decode.run(len(decodes), max_len=max(r.computed for r in decodes) + 1)
             logits.append(self.decode.logits[: len(decodes)])
