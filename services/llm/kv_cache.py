@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.model.spec import LlavaSpec
@@ -28,6 +29,11 @@ class KvConfig:
     page_size: int  # positions per page
     kv_cache_gib: float  # 0: sized automatically
     gpu_memory_utilization: float  # the share of the GPU this process may hold (weights + activations + KV)
+
+
+def pool_slots(blocks: list[int], positions: np.ndarray, page_size: int) -> np.ndarray:
+    """Pool positions of a sequence's `positions`, through its block table `blocks`."""
+    return np.asarray(blocks, dtype=np.int64)[positions // page_size] * page_size + positions % page_size
 
 
 def page_bytes(spec: LlavaSpec, dtype: torch.dtype, page_size: int) -> int:

@@ -41,7 +41,7 @@ import torch
 from services.common.buckets import capture_graphs
 from services.llm.attention import prefill_in, prefill_out
 from services.llm.decode import ban_eos
-from services.llm.kv_cache import PagedKvCache
+from services.llm.kv_cache import PagedKvCache, pool_slots
 from services.llm.request import Request
 from services.llm.scheduler import Chunk
 from services.llm.staging import Staging
@@ -168,24 +168,21 @@ class PackedStep:
         n = sum(c.end - c.start for c in chunks)
         if n > self.buckets[-1] or len(reqs) > self.max_seqs or not self._stage_pages(reqs):
             return False
-        ids, pos, last, ban = [], [], [], []
+        ids, pos, slots, last, ban = [], [], [], [], []
         for c in chunks:
             r = c.req
             tokens = r.prompt_ids + r.output_ids if r.output_ids else r.prompt_ids
             ids.extend(tokens[c.start : c.end])
             pos.append(np.arange(c.start, c.end))
+            slots.append(pool_slots(r.blocks, pos[-1], page))
             if c.completes:
-                last.append(sum(len(p) for p in pos) - 1)
+                last.append(len(ids) - 1)
                 ban.append(len(r.output_ids) < r.sampling.min_tokens)
         positions = np.concatenate(pos)
         seqs = np.repeat(np.arange(len(reqs)), [len(p) for p in pos])
         rows = self.bucket(n)
-        pages = np.zeros(len(positions), dtype=np.int64)
-        for i, r in enumerate(reqs):
-            at = seqs == i
-            pages[at] = np.asarray(r.blocks, dtype=np.int64)[positions[at] // page]
         h["ids"][:n], h["pos"][:n], h["rank"][:n] = ids, positions, self._ranks[seqs]
-        h["slots"][:n] = pages * page + positions % page
+        h["slots"][:n] = np.concatenate(slots)
         h["ids"][n:rows] = 0
         h["pos"][n:rows] = 0
         h["rank"][n:rows] = -1  # in no page's range: padding attends to nothing

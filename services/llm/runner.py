@@ -21,7 +21,7 @@ import torch
 
 from services.llm.attention import FlexDecode, GatherDecode, Span, prefill_attention, prefill_in, prefill_out
 from services.llm.decode import DecodeStep, ban_eos
-from services.llm.kv_cache import KvConfig, PagedKvCache, pool_pages
+from services.llm.kv_cache import KvConfig, PagedKvCache, pool_pages, pool_slots
 from services.llm.packed import PackedStep, fixed_words
 from services.llm.request import Request
 from services.llm.sampler import new_generator, sample
@@ -208,10 +208,10 @@ class ModelRunner:
             ids.extend(seq[c.start : c.end])
             pos = np.arange(c.start, c.end)
             positions.append(pos)
-            slots.append(self._slots(req.blocks, pos))
+            slots.append(pool_slots(req.blocks, pos, self.page_size))
             context = None
             if c.start > 0:  # attends to earlier positions, already in the pool
-                context = self.staging.ints(self._slots(req.blocks, np.arange(c.end)))
+                context = self.staging.ints(pool_slots(req.blocks, np.arange(c.end), self.page_size))
             spans.append(Span(row, c.end - c.start, c.start, context))
             row += c.end - c.start
             if c.completes:
@@ -224,11 +224,6 @@ class ModelRunner:
             spans,
             self.staging.ints(last_rows) if last_rows else None,
             self.staging.ints(bans) if last_rows else None,
-        )
-
-    def _slots(self, blocks: list[int], positions: np.ndarray) -> np.ndarray:
-        return np.asarray(blocks, dtype=np.int64)[positions // self.page_size] * self.page_size + (
-            positions % self.page_size
         )
 
     def _prefill(self, chunks: list[Chunk], ids, positions, slots, spans, last_rows, bans) -> torch.Tensor:
