@@ -402,3 +402,12 @@ def encode_request(consumer_info: pb.ConsumerInfo, pictures: list[bytes]) -> vis
     return vision_pb2.EncodeRequest(
         request_id="v-1", images=[pb.Image(data=d) for d in pictures], consumer=consumer_info
     )
+
+
+def record_decode_rows(runner) -> list[int]:
+    """The decode rows of each packed step the runner runs from now on (in the list returned)."""
+    rows: list[int] = []
+    if runner.packed is not None:
+        run = runner.packed.run
+        runner.packed.run = lambda: (rows.append(runner.packed.decode_rows), run())
+    return rows

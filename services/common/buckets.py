@@ -19,8 +19,10 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
-def capture_graphs(sizes: Iterable[int], run: Callable[[int], None], what: str) -> dict:
+def capture_graphs(sizes: Iterable, run: Callable, what: str) -> dict:
     """{size: torch.cuda.CUDAGraph} of `run(size)`, largest first, all in one memory pool.
+
+    A size is a batch, or any key that sorts (the packed step's (rows, decode rows)).
 
     Each size runs twice on a side stream first (the compile, then a run outside the capture),
     as CUDA graph capture needs. `run` must read and write only static buffers, with no host
@@ -41,6 +43,6 @@ def capture_graphs(sizes: Iterable[int], run: Callable[[int], None], what: str) 
         with torch.cuda.graph(graph, pool=pool):
             run(size)
         graphs[size] = graph
-        log.info("%s captured for %d (%.1f s so far)", what, size, time.perf_counter() - start)
+        log.info("%s captured for %s (%.1f s so far)", what, size, time.perf_counter() - start)
     torch.cuda.synchronize()
     return graphs

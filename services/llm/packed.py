@@ -2,26 +2,20 @@
 
 Rows: the chunks' positions in plan order, then padding up to the row bucket (`row_buckets`).
 Every row first stores its K/V in the pool (padding rows in the null page), then attends
-through `flex_attention` to the pool itself, with a block mask made on the host:
-- per block of `Q_BLOCK` rows, the pages of the sequences those rows belong to (each page
-  once, also when two sequences share it through the prefix cache);
-- a mask that keeps, for row r of sequence rank[r] and pool position kv in page p:
+through `flex_attention` to the pool itself, with a block mask made on the host
+(services/llm/packed_mask.py).
 
-      lo[p] <= rank[r] <= hi[p]                              (p is a page of r's sequence)
-      and logical[p] * page_size + kv % page_size <= pos[r]  (at or before r's position)
-
-  The step's sequences are ranked by their block tables, in lexicographic order. Pages are
-  shared only as leading runs (the prefix cache matches a prompt's first pages), so the
-  sequences that hold a page are ranks lo[p]..hi[p] with no gap, and a shared page sits at
-  the same logical index in each. Three loads per key column: an earlier mask that looked
-  up `tables[seq[r], logical[p]]` per score made each key block cost some 25 us on the
-  H200, eight times the block's arithmetic. Pages that every row of a one-sequence block
-  sees whole are full blocks: flex skips their mask.
-
-The step's decodes do not ride in these rows: a decode's query block would list all of its
-pages, and one block holding the last rows of a prompt and 16 decodes walked some 85 key
-blocks in one thread block (74.7 ms a step where the decode graph after the prefill takes
-6). They run in the decode step's graph after this one (services/llm/decode.py).
+The step's decodes ride in the last rows of the bucket (`decode_rows` of them, padding
+included): their tokens go through every matmul with the prompts' rows, so the weights are read
+once a step, not once for the prefill and again for a decode step after it (some 5 ms of the
+7B-shaped preset's 20 ms mixed step on the H200). Their attention is not the prefill's: a
+decode's query block would list all of its pages, and one block holding the last rows of a
+prompt and 16 decodes walked some 85 key blocks in one thread block (74.7 ms a step). They
+attend through the decode step's own attention (services/llm/attention.py, `DecodeAttention`:
+flex's paged decode kernel on CUDA) over the decode step's static inputs, and their rows of
+the prefill attention (rank -1: no pages) are overwritten with it. A step whose decodes do
+not fit (more than the largest `decode_rows`, or past the top row bucket) runs them in the
+decode step's graph after this one (services/llm/decode.py).
 
 Every input lives at a fixed address (the runner's staging buffer, one upload per step), so
 on CUDA each bucket's layers and head are captured in one CUDA graph: one replay where the
@@ -40,16 +34,15 @@ import torch
 
 from services.common.buckets import capture_graphs
 from services.llm.attention import prefill_in, prefill_out
-from services.llm.decode import ban_eos
+from services.llm.decode import DecodeStep, ban_eos
 from services.llm.kv_cache import PagedKvCache, pool_slots
+from services.llm.packed_mask import Q_BLOCK, block_mask, stage_blocks, stage_pages
 from services.llm.request import Request
 from services.llm.scheduler import Chunk
 from services.llm.staging import Staging
 from services.model.llama import LlamaDecoder
 
 log = logging.getLogger(__name__)
-
-Q_BLOCK = 128  # query rows per block-mask block (a multiple of flex's BLOCK_M)
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -80,6 +73,7 @@ class PackedStep:
         eos: torch.Tensor | None,
         max_rows: int,
         max_seqs: int,
+        decode: DecodeStep | None = None,  # whose attention and inputs the decodes riding in the rows use
         layer_in=prefill_in,  # the layer halves around the attention: compiled (dynamic rows) on CUDA
         layer_out=prefill_out,
     ) -> None:
@@ -121,53 +115,40 @@ class PackedStep:
         self._options = None if self.page % 64 == 0 else {"BLOCK_N": self.page}
         self._flex = torch.compile(flex_attention, dynamic=False)
         self.gqa = model.layers[0].self_attn.h != model.layers[0].self_attn.g
-        self._masks = {b: self._block_mask(b) for b in self.buckets}
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._masks = {b: block_mask(dev, b, self.page, self.n_pages) for b in self.buckets}
+        # Decode rows a step carries (padding included), each a captured variant of every row
+        # bucket: few sizes, as each compiles the decode attention for its shape.
+        self.decode = decode
+        self.decode_sizes = sorted({min(8, max_seqs), max_seqs}) if decode is not None else []
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.rows = 0  # the bucket of the rows staged for the next run
-        self._ranks = np.zeros(0, dtype=np.int64)  # each staged sequence's rank (`_stage_pages`)
+        self.decode_rows = 0  # of them, the last ones that are the decodes' (0: the decodes run apart)
+        self._decode_len = 0  # the decodes' longest context (a host hint for the CPU's attention)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _block_mask(self, rows: int):
-        from torch.nn.attention.flex_attention import BlockMask
-
-        d, page, blocks = self._dev, self.page, rows // Q_BLOCK
-        rank, pos, lo, hi, logical = d["rank"], d["pos"], d["lo"], d["hi"], d["logical"]
-
-        def own_positions(b, h, q_idx, kv_idx):
-            p = kv_idx // page
-            r = rank[q_idx]
-            return (lo[p] <= r) & (r <= hi[p]) & (logical[p] * page + kv_idx % page <= pos[q_idx])
-
-        def view(name, width=None):
-            t = d[name][: blocks * (width or 1)]
-            return t.view(1, 1, blocks, width) if width else t.view(1, 1, blocks)
-
-        return BlockMask.from_kv_blocks(
-            view("kv_num"),
-            view("kv_idx", self.n_pages),
-            view("full_num"),
-            view("full_idx", self.n_pages),
-            BLOCK_SIZE=(Q_BLOCK, page),
-            mask_mod=own_positions,
-            seq_lengths=(rows, self.n_pages * page),
-            compute_q_blocks=False,
-        )
-
     # ---- host side ----
-    def stage(self, chunks: list[Chunk]) -> bool:
+    def stage(self, chunks: list[Chunk], decodes: list[Request] = ()) -> bool:
         """Write the chunks' rows, pages and block mask into the staging buffer (before its upload).
 
-        False (nothing usable staged) when they do not fit: more rows than the largest bucket,
-        or pages shared other than as the leading runs the mask assumes; the runner then runs
-        the step per chunk.
+        The decodes ride in the rows too when they fit (`decode_rows` > 0 after it); the runner
+        stages their decode inputs, padded to `decode_rows`, in the same step. False (nothing
+        usable staged) when the chunks do not fit: more rows than the largest bucket, or pages
+        shared other than as the leading runs the mask assumes; the runner then runs the step
+        per chunk.
         """
         h, page = self._host, self.page
         reqs = [c.req for c in chunks]
         n = sum(c.end - c.start for c in chunks)
-        if n > self.buckets[-1] or len(reqs) > self.max_seqs or not self._stage_pages(reqs):
+        if n > self.buckets[-1] or len(reqs) > self.max_seqs:
             return False
+        ranks = stage_pages(h, reqs)
+        if ranks is None:
+            return False
+        d = next((s for s in self.decode_sizes if s >= len(decodes)), 0) if decodes else 0
+        if n + d > self.buckets[-1]:
+            d = 0
         ids, pos, slots, last, ban = [], [], [], [], []
         for c in chunks:
             r = c.req
@@ -180,57 +161,27 @@ class PackedStep:
                 ban.append(len(r.output_ids) < r.sampling.min_tokens)
         positions = np.concatenate(pos)
         seqs = np.repeat(np.arange(len(reqs)), [len(p) for p in pos])
-        rows = self.bucket(n)
-        h["ids"][:n], h["pos"][:n], h["rank"][:n] = ids, positions, self._ranks[seqs]
+        rows = self.bucket(n + d)
+        h["ids"][:n], h["pos"][:n], h["rank"][:n] = ids, positions, ranks[seqs]
         h["slots"][:n] = np.concatenate(slots)
         h["ids"][n:rows] = 0
         h["pos"][n:rows] = 0
-        h["rank"][n:rows] = -1  # in no page's range: padding attends to nothing
+        h["rank"][n:rows] = -1  # in no page's range: padding (and the decodes) attend to no page here
         h["slots"][n:rows] = np.arange(rows - n) % page  # the null page
+        if d:
+            first = rows - d
+            at = first + np.arange(len(decodes))
+            h["ids"][at] = [r.output_ids[-1] for r in decodes]
+            h["pos"][at] = [r.computed for r in decodes]
+            h["slots"][at] = [pool_slots(r.blocks, np.array([r.computed]), page)[0] for r in decodes]
+            last.extend(at.tolist())
+            ban.extend(len(r.output_ids) < r.sampling.min_tokens for r in decodes)
+            self._decode_len = max(r.computed for r in decodes) + 1
         h["last"][: len(last)], h["last"][len(last) :] = last, 0
         h["ban"][: len(ban)], h["ban"][len(ban) :] = ban, 0
-        self._stage_mask(reqs, positions, seqs, rows)
-        self.rows = rows
+        stage_blocks(h, reqs, positions, seqs, rows, page)
+        self.rows, self.decode_rows = rows, d
         return True
-
-    def _stage_pages(self, reqs: list[Request]) -> bool:
-        """Rank the sequences by block table and stage each page's lo, hi and logical index."""
-        h = self._host
-        order = sorted(range(len(reqs)), key=lambda i: reqs[i].blocks)
-        self._ranks = np.empty(len(reqs), dtype=np.int64)
-        self._ranks[order] = np.arange(len(reqs))
-        holders: dict[int, list[int]] = {}
-        for i, r in enumerate(reqs):
-            for lp, p in enumerate(r.blocks):
-                holders.setdefault(p, []).append(int(self._ranks[i]))
-                h["logical"][p] = lp
-        for p, ranks in holders.items():
-            lo, hi = min(ranks), max(ranks)
-            if hi - lo + 1 != len(ranks):
-                return False  # a page shared by ranks with a gap: not a leading run
-            h["lo"][p], h["hi"][p] = lo, hi
-        return True
-
-    def _stage_mask(self, reqs: list[Request], positions: np.ndarray, seqs: np.ndarray, rows: int) -> None:
-        h, page = self._host, self.page
-        for b in range(rows // Q_BLOCK):
-            lo, hi = b * Q_BLOCK, min((b + 1) * Q_BLOCK, len(positions))
-            partial, full = [], []
-            if lo < hi:
-                block_seqs = seqs[lo:hi]
-                one = hi - lo == Q_BLOCK and block_seqs[0] == block_seqs[-1]  # one sequence, no padding
-                first = int(positions[lo:hi].min())
-                seen: set[int] = set()
-                for s in np.unique(block_seqs):
-                    top = int(positions[lo:hi][block_seqs == s].max()) // page
-                    for lp, p in enumerate(reqs[s].blocks[: top + 1]):
-                        if p in seen:
-                            continue
-                        seen.add(p)
-                        (full if one and (lp + 1) * page - 1 <= first else partial).append(p)
-            h["kv_num"][b], h["full_num"][b] = len(partial), len(full)
-            h["kv_idx"][b, : len(partial)] = partial
-            h["full_idx"][b, : len(full)] = full
 
     # ---- device side ----
     def embed(self) -> torch.Tensor:
@@ -240,12 +191,17 @@ class PackedStep:
         return x
 
     @torch.inference_mode()
-    def forward(self, rows: int) -> None:
-        """Input rows [:rows] -> `logits` and `greedy` of the sampled rows. Capturable: static shapes, no syncs."""
+    def forward(self, size: tuple[int, int]) -> None:
+        """Input rows [:rows], the last `decodes` of them the decodes' -> `logits` and `greedy` of the
+        sampled rows. Capturable: static shapes, no syncs."""
+        rows, decodes = size
         d = self._dev
         positions, slots = d["pos"][:rows].long(), d["slots"][:rows].long()
         cos, sin = self.rope[0][positions], self.rope[1][positions]
         mask = self._masks[rows]
+        if decodes:  # the decode step's inputs, staged by the runner for these rows
+            attn, first = self.decode.attn, rows - decodes
+            attn.prepare(self.decode.positions[:decodes].long(), self.decode.tables[:decodes].long(), self._decode_len)
         x = self.x[:rows]
         for i, layer in enumerate(self.model.layers):
             k_pool, v_pool = self.kv.k[i], self.kv.v[i]
@@ -257,22 +213,25 @@ class PackedStep:
                 block_mask=mask,
                 enable_gqa=self.gqa,
                 kernel_options=self._options,
-            )
-            x = self._out(layer, x, o[0].transpose(0, 1))
+            )[0].transpose(0, 1)  # [rows, h, d]
+            if decodes:
+                o[first:] = attn(q[first:], k_pool, v_pool)
+            x = self._out(layer, x, o)
         self.logits.copy_(self.model.logits(x.index_select(0, d["last"].long())))
         ban_eos(self.logits, self.eos, d["ban"])
         torch.argmax(self.logits, dim=-1, out=self.greedy)
 
     def run(self) -> None:
         """Run the staged rows (uploaded, embedded, features written): a graph replay when captured."""
-        graph = self._graphs.get(self.rows)
+        size = (self.rows, self.decode_rows)
+        graph = self._graphs.get(size)
         if graph is None:
-            self.forward(self.rows)
+            self.forward(size)
         else:
             graph.replay()
 
     def capture(self, fallback: bool = False) -> PackedStep | None:
-        """Compile and capture one graph per bucket (services/common/buckets.py); returns self.
+        """Compile and capture one graph per row bucket and decode rows (services/common/buckets.py); returns self.
 
         `fallback`: if compiling or capturing fails, log it and return None (the runner then
         prefills per chunk) instead of raising. The staged inputs must be valid while
@@ -280,7 +239,8 @@ class PackedStep:
         null page).
         """
         try:
-            self._graphs = capture_graphs(self.buckets, self.forward, "packed step, rows")
+            sizes = [(r, d) for r in self.buckets for d in (0, *self.decode_sizes) if d < r]
+            self._graphs = capture_graphs(sizes, self.forward, "packed step, (rows, decode rows)")
         except Exception:
             if not fallback:
                 raise

@@ -1,10 +1,11 @@
 """The model runner: decoder weights, the paged KV pool, the step's forwards and sampling.
 
 A step is what the scheduler planned. Its prefill chunks run as the rows of one forward
-(services/llm/packed.py; graph-captured per row bucket on CUDA), or, with `--prefill chunks`
-(the CPU's default, the reference), packed in one eager forward with one SDPA per chunk.
-Then its decodes run as the decode step (services/llm/decode.py: graph-captured per batch
-bucket on CUDA). Then sampling for every row that wants a token. The host stages all of the
+(services/llm/packed.py; graph-captured per row bucket on CUDA), its decodes in the last rows
+of that forward when they fit; or, with `--prefill chunks` (the CPU's default, the
+reference), packed in one eager forward with one SDPA per chunk. Decodes not in a packed
+forward run as the decode step (services/llm/decode.py: graph-captured per batch bucket on
+CUDA). Then sampling for every row that wants a token. The host stages all of the
 step's inputs in one buffer and copies it once (services/llm/staging.py); the tokens come
 back in one copy, the step's only host sync.
 
@@ -104,6 +105,7 @@ class ModelRunner:
                 self.eos,
                 max_prefill_tokens,
                 max_batch,
+                self.decode,
                 self._prefill_in,
                 self._prefill_out,
             )
@@ -126,10 +128,11 @@ class ModelRunner:
         if len(sampled) > self.max_batch:  # the scheduler runs at most max_batch sequences
             raise ValueError(f"a step samples {len(sampled)} sequences; this runner holds {self.max_batch}")
         self.staging.begin()
-        packed = bool(chunks) and self.packed is not None and self.packed.stage(chunks)
+        packed = bool(chunks) and self.packed is not None and self.packed.stage(chunks, decodes)
+        riding = packed and self.packed.decode_rows > 0  # the decodes are rows of the packed forward
         prefill = self._stage_prefill(chunks) if chunks and not packed else None
         if decodes:
-            self._stage_decode(decodes)
+            self._stage_decode(decodes, self.packed.decode_rows if riding else self.decode.bucket(len(decodes)))
         greedy = all(r.sampling.greedy for r in sampled)
         if not greedy:
             temperature = self.staging.floats([r.sampling.temperature for r in sampled])
@@ -139,13 +142,14 @@ class ModelRunner:
         completing = len(sampled) - len(decodes)
         if packed:
             self._run_packed(chunks)
-            logits.append(self.packed.logits[:completing])
-            argmax.append(self.packed.greedy[:completing])  # taken inside the captured step
+            n = len(sampled) if riding else completing
+            logits.append(self.packed.logits[:n])
+            argmax.append(self.packed.greedy[:n])  # taken inside the captured step
         elif prefill:
             logits.append(self._prefill(chunks, *prefill))
             if greedy:
                 argmax.append(logits[-1].argmax(-1))
-        if decodes:
+        if decodes and not riding:
             self.decode.run(len(decodes), max_len=max(r.computed for r in decodes) + 1)
             logits.append(self.decode.logits[: len(decodes)])
             argmax.append(self.decode.greedy[: len(decodes)])
@@ -186,8 +190,8 @@ class ModelRunner:
         self.packed.run()
 
     # ---- decode ----
-    def _stage_decode(self, reqs: list[Request]) -> None:
-        b = self.decode.bucket(len(reqs))
+    def _stage_decode(self, reqs: list[Request], b: int) -> None:
+        """The decodes' inputs, padded to b rows (the decode step's bucket, or the packed step's decode rows)."""
         self._tok[:b] = 0
         self._pos[:b] = 0
         self._tab[:b] = 0  # padding rows and unused entries point at the null page

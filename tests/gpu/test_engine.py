@@ -11,7 +11,7 @@ import torch
 
 from services.common.qos import QosLevel
 from services.llm.request import Finish
-from tests.helpers import CASES, PROMPTS, Parts, hf_inputs, image_bytes
+from tests.helpers import CASES, PROMPTS, Parts, hf_inputs, image_bytes, record_decode_rows
 
 pytestmark = pytest.mark.gpu
 TOKENS = 32
@@ -78,7 +78,7 @@ def test_greedy_tokens_equal_transformers_fp32(fp32_parts, cut_preset):
 
 def test_packed_prefill_equals_the_per_chunk_prefill_fp32(fp32_parts, cut_preset):
     """The packed step, graph-captured (the default on CUDA), against `--prefill chunks`: prompts
-    split by a small budget, decodes beside prefill steps, repeated pictures sharing pages."""
+    split by a small budget, decodes riding in prefill steps, repeated pictures sharing pages."""
     from services.llm.config import NativeEngineConfig
 
     assert fp32_parts.engine.runner.packed is not None
@@ -93,8 +93,10 @@ def test_packed_prefill_equals_the_per_chunk_prefill_fp32(fp32_parts, cut_preset
             native=NativeEngineConfig(prefill=prefill, max_prefill_tokens=700),
         )
         try:
+            rode = record_decode_rows(parts.engine.runner)
             answers.append(ours(parts, cases))
             assert_idle(parts)
+            assert prefill == "chunks" or any(rode), "no decodes rode in a packed step"
         finally:
             parts.engine.stop()
     assert answers[0] == answers[1]

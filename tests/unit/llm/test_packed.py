@@ -3,8 +3,9 @@
 Two runners on the same weights (fp32) take the same steps: prefill chunks that start, continue
 and complete sequences, decodes beside them, a prefix page shared by sequences in one step, image
 features written over placeholders, several blocks of 128 query rows with full blocks among
-them. After every step the tokens are equal and every layer's K/V in the pool is close: each
-row's attention fed the layers after it, so a row that saw a wrong position would show there.
+them, decodes riding in the packed rows. After every step the tokens are equal and every
+layer's K/V in the pool is close: each row's attention fed the layers after it, so a row that
+saw a wrong position would show there.
 On CUDA the packed forward is graph-captured; here it runs eagerly, with flex compiled alone.
 """
 
@@ -17,7 +18,8 @@ import torch
 
 from services.common.sampling import Sampling
 from services.llm.kv_cache import KvConfig
-from services.llm.packed import Q_BLOCK, row_buckets
+from services.llm.packed import row_buckets
+from services.llm.packed_mask import Q_BLOCK
 from services.llm.runner import ModelRunner
 from services.llm.scheduler import Chunk
 from services.model.spec import load_spec
@@ -94,6 +96,8 @@ def test_packed_steps_equal_the_per_chunk_reference(pair):
         tokens = []
         for chunks, decodes in steps:
             out = r.step(chunks, decodes)
+            if name == "packed" and chunks:  # the decodes rode in the packed rows (6: max_batch)
+                assert r.packed.decode_rows == (6 if decodes else 0)
             for req, tok in zip([c.req for c in chunks if c.completes] + decodes, out, strict=True):
                 req.output_ids.append(tok)
             tokens.append(out)
@@ -134,17 +138,19 @@ def test_the_engine_answers_alike_with_packed_and_chunked_prefill(tiny_model):
     """Through the engine and its scheduler: images, chunked prompts (a small budget), decodes mixed
     into prefill steps, repeated images sharing prefix pages, preemption-free batching of 3."""
     from services.llm.config import NativeEngineConfig
-    from tests.helpers import PROMPTS, Parts
+    from tests.helpers import PROMPTS, Parts, record_decode_rows
 
     answers = {}
     for mode in ("chunks", "packed"):
         parts = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(prefill=mode, max_prefill_tokens=24))
         try:
             assert (parts.engine.runner.packed is not None) == (mode == "packed")
+            rode = record_decode_rows(parts.engine.runner)
             pairs = [parts.request(i % 3, p, max_tokens=12, min_tokens=12) for i, p in enumerate(PROMPTS * 2)]
             parts.run(*pairs)
             answers[mode] = [box["ids"] for _, box in pairs]
             assert parts.engine.scheduler.blocks.free == parts.engine.scheduler.blocks.capacity
+            assert mode == "chunks" or any(rode), "no decodes rode in a packed step"
         finally:
             parts.engine.stop()
     assert answers["packed"] == answers["chunks"]

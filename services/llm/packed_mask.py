@@ -1,0 +1,101 @@
+"""The packed step's block mask: which pool positions each of its rows attends to.
+
+Made on the host, per step, into the packed step's staged inputs (services/llm/packed.py):
+- per block of `Q_BLOCK` rows, the pages of the sequences those rows belong to (each page
+  once, also when two sequences share it through the prefix cache);
+- a mask that keeps, for row r of sequence rank[r] and pool position kv in page p:
+
+      lo[p] <= rank[r] <= hi[p]                              (p is a page of r's sequence)
+      and logical[p] * page_size + kv % page_size <= pos[r]  (at or before r's position)
+
+The step's sequences are ranked by their block tables, in lexicographic order. Pages are
+shared only as leading runs (the prefix cache matches a prompt's first pages), so the
+sequences that hold a page are ranks lo[p]..hi[p] with no gap, and a shared page sits at the
+same logical index in each. Three loads per key column: an earlier mask that looked up
+`tables[seq[r], logical[p]]` per score made each key block cost some 25 us on the H200,
+eight times the block's arithmetic. Pages that every row of a one-sequence block sees whole
+are full blocks: flex skips their mask. A row of rank -1 (padding, a decode) is in no page's
+range and attends to nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from services.llm.request import Request
+
+Q_BLOCK = 128  # query rows per block-mask block (a multiple of flex's BLOCK_M)
+
+
+def block_mask(dev: dict[str, torch.Tensor], rows: int, page: int, n_pages: int):
+    """The flex BlockMask of `rows` rows over the staged device views (made once per row bucket)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    blocks = rows // Q_BLOCK
+    rank, pos, lo, hi, logical = dev["rank"], dev["pos"], dev["lo"], dev["hi"], dev["logical"]
+
+    def own_positions(b, h, q_idx, kv_idx):
+        p = kv_idx // page
+        r = rank[q_idx]
+        return (lo[p] <= r) & (r <= hi[p]) & (logical[p] * page + kv_idx % page <= pos[q_idx])
+
+    def view(name, width=None):
+        t = dev[name][: blocks * (width or 1)]
+        return t.view(1, 1, blocks, width) if width else t.view(1, 1, blocks)
+
+    return BlockMask.from_kv_blocks(
+        view("kv_num"),
+        view("kv_idx", n_pages),
+        view("full_num"),
+        view("full_idx", n_pages),
+        BLOCK_SIZE=(Q_BLOCK, page),
+        mask_mod=own_positions,
+        seq_lengths=(rows, n_pages * page),
+        compute_q_blocks=False,
+    )
+
+
+def stage_pages(host: dict[str, np.ndarray], reqs: list[Request]) -> np.ndarray | None:
+    """Rank the sequences by block table and stage each page's lo, hi and logical index.
+
+    Returns each sequence's rank, or None for a page shared by ranks with a gap (not a leading run).
+    """
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i].blocks)
+    ranks = np.empty(len(reqs), dtype=np.int64)
+    ranks[order] = np.arange(len(reqs))
+    holders: dict[int, list[int]] = {}
+    for i, r in enumerate(reqs):
+        for lp, p in enumerate(r.blocks):
+            holders.setdefault(p, []).append(int(ranks[i]))
+            host["logical"][p] = lp
+    for p, held in holders.items():
+        lo, hi = min(held), max(held)
+        if hi - lo + 1 != len(held):
+            return None
+        host["lo"][p], host["hi"][p] = lo, hi
+    return ranks
+
+
+def stage_blocks(
+    host: dict[str, np.ndarray], reqs: list[Request], positions: np.ndarray, seqs: np.ndarray, rows: int, page: int
+) -> None:
+    """Each query block's pages, partial and full, for rows whose positions and sequences are given."""
+    for b in range(rows // Q_BLOCK):
+        lo, hi = b * Q_BLOCK, min((b + 1) * Q_BLOCK, len(positions))
+        partial, full = [], []
+        if lo < hi:
+            block_seqs = seqs[lo:hi]
+            one = hi - lo == Q_BLOCK and block_seqs[0] == block_seqs[-1]  # one sequence, no padding
+            first = int(positions[lo:hi].min())
+            seen: set[int] = set()
+            for s in np.unique(block_seqs):
+                top = int(positions[lo:hi][block_seqs == s].max()) // page
+                for lp, p in enumerate(reqs[s].blocks[: top + 1]):
+                    if p in seen:
+                        continue
+                    seen.add(p)
+                    (full if one and (lp + 1) * page - 1 <= first else partial).append(p)
+        host["kv_num"][b], host["full_num"][b] = len(partial), len(full)
+        host["kv_idx"][b, : len(partial)] = partial
+        host["full_idx"][b, : len(full)] = full
