@@ -76,9 +76,10 @@ class NativeEngineConfig:
         default="auto",
         choices=PREFILL_MODES,
         help="how prefill steps run: packed (the step's chunks as rows of one forward, attention by "
-        "flex_attention over the pool; graph-captured per row bucket on CUDA), chunks (one SDPA per "
-        "chunk, eagerly; the reference), or auto: packed where CUDA graphs run, chunks elsewhere; "
-        "the step's decodes follow as the decode step either way (default %(default)s)",
+        "flex_attention over the pool, the step's decodes in its last rows; graph-captured per row "
+        "bucket on CUDA), chunks (one SDPA per chunk, eagerly, the decodes after it as the decode "
+        "step; the reference), or auto: packed where CUDA graphs run, chunks elsewhere "
+        "(default %(default)s)",
     )
     enforce_eager: bool = flag(
         "--enforce-eager",
