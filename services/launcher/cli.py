@@ -232,14 +232,11 @@ def _checked_options(argv: Sequence[str]) -> MeshOptions:
         options = options_from_args(args)  # a bad flag value fails here, not in a child
     except ValueError as err:
         p.error(str(err))
-    tls = options.tls_throwaway_ca or options.gateway.server.tls_cert
     if options.tls_throwaway_ca and options.gateway.server.tls_cert:
         p.error("--tls-throwaway-ca makes its own certificate: not with --tls-cert")
     if options.variants:
         if options.gateway.http.port >= 0:
             p.error("--http-port: not with --variants yet (Envoy routes gRPC only); use a worker's gateway")
-        if tls:
-            p.error("TLS: not with --variants yet (the local Envoy speaks plaintext to the workers)")
         try:
             parse_variants(options.variants)
             envoy_binary()

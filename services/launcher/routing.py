@@ -12,6 +12,9 @@ stream before any byte went up): a retry after that would run generation twice.
 
 The weights are Envoy runtime values (`routing.variant-NAME`), so `vlmesh route` (Envoy's
 `/runtime_modify`) changes them while it runs, with no restart.
+
+With TLS (`Tls`), Envoy serves the public port with the mesh's certificate, as a gateway does,
+and calls the gateways over TLS, trusting the mesh's CA and showing its certificate.
 """
 
 from __future__ import annotations
@@ -71,8 +74,36 @@ def _endpoints(hosts: Sequence[tuple[str, int]]) -> list[dict]:
     return [{"endpoint": {"address": _address(h, p)}} for h, p in hosts]
 
 
-def _cluster(name: str, priorities: Sequence[Sequence[tuple[str, int]]]) -> dict:
+@dataclass(frozen=True)
+class Tls:
+    """The files of the mesh's certificate, its key and its CA (PEM), as --tls-cert, --tls-key and --tls-ca."""
+
+    cert: str
+    key: str
+    ca: str
+
+    def _context(self) -> dict:
+        return {
+            "tls_certificates": [{"certificate_chain": {"filename": self.cert}, "private_key": {"filename": self.key}}],
+            "alpn_protocols": ["h2"],  # gRPC over TLS negotiates HTTP/2 by ALPN (its clients require it)
+        }
+
+    def downstream(self) -> dict:
+        context = {"@type": f"type.googleapis.com/{TLS}.DownstreamTlsContext", "common_tls_context": self._context()}
+        return {"name": "envoy.transport_sockets.tls", "typed_config": context}
+
+    def upstream(self) -> dict:
+        common = {**self._context(), "validation_context": {"trusted_ca": {"filename": self.ca}}}
+        context = {"@type": f"type.googleapis.com/{TLS}.UpstreamTlsContext", "common_tls_context": common}
+        return {"name": "envoy.transport_sockets.tls", "typed_config": context}
+
+
+TLS = "envoy.extensions.transport_sockets.tls.v3"
+
+
+def _cluster(name: str, priorities: Sequence[Sequence[tuple[str, int]]], tls: Tls | None = None) -> dict:
     return {
+        **({"transport_socket": tls.upstream()} if tls else {}),
         "name": name,
         "type": "STATIC",
         "connect_timeout": "1s",
@@ -145,9 +176,15 @@ HCM = "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectio
 HCM_FILTER = "envoy.filters.network.http_connection_manager"
 
 
-def envoy_config(variants: Sequence[Variant], gateways: Mapping[str, Address], listen: Address, admin: Address) -> dict:
+def envoy_config(
+    variants: Sequence[Variant],
+    gateways: Mapping[str, Address],
+    listen: Address,
+    admin: Address,
+    tls: Tls | None = None,
+) -> dict:
     """Envoy's bootstrap: a gRPC listener on `listen` routing to each variant's gateway (`gateways`
-    by name), the weights in the runtime, the admin interface on `admin`."""
+    by name), the weights in the runtime, the admin interface on `admin`; TLS on both sides with `tls`."""
     route = {"timeout": "0s", "max_stream_duration": {"grpc_timeout_header_max": "0s"}}  # the client's deadline
     routes = [
         {
@@ -172,8 +209,8 @@ def envoy_config(variants: Sequence[Variant], gateways: Mapping[str, Address], l
     clusters = []
     for v in variants:
         others = [gateways[o.name] for o in variants if o.name != v.name]
-        clusters.append(_cluster(v.cluster, [[gateways[v.name]], others]))  # fail over to the others
-        clusters.append(_cluster(f"pinned-{v.name}", [[gateways[v.name]]]))  # a pin never moves
+        clusters.append(_cluster(v.cluster, [[gateways[v.name]], others], tls))  # fail over to the others
+        clusters.append(_cluster(f"pinned-{v.name}", [[gateways[v.name]]], tls))  # a pin never moves
     manager = {
         "@type": f"type.googleapis.com/{HCM}",
         "stat_prefix": "vlmesh",
@@ -199,7 +236,12 @@ def envoy_config(variants: Sequence[Variant], gateways: Mapping[str, Address], l
                 {
                     "name": "grpc",
                     "address": _address(*listen),
-                    "filter_chains": [{"filters": [{"name": HCM_FILTER, "typed_config": manager}]}],
+                    "filter_chains": [
+                        {
+                            "filters": [{"name": HCM_FILTER, "typed_config": manager}],
+                            **({"transport_socket": tls.downstream()} if tls else {}),
+                        }
+                    ],
                 }
             ],
             "clusters": clusters,

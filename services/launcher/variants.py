@@ -26,7 +26,7 @@ from pathlib import Path
 from services.launcher.ports import MeshError, RunDir, free_port
 from services.launcher.process import signals_held, spawn
 from services.launcher.restarts import TICK_S, Watch
-from services.launcher.routing import Variant, envoy_config, runtime_update
+from services.launcher.routing import Tls, Variant, envoy_config, runtime_update
 from services.launcher.supervisor import Mesh, MeshOptions
 
 COST = {"int4": 0, "int8": 1, "none": 2}  # by --quantize: the bytes a variant reads per weight
@@ -67,14 +67,20 @@ class VariantMesh:
     """The variants' workers and the Envoy in front of them."""
 
     def __init__(self, opts: MeshOptions, variants: list[Variant], admin_port: int) -> None:
+        self._run = RunDir()
+        if opts.tls_throwaway_ca:  # one CA for every worker and Envoy: they call each other
+            from services.launcher.certs import make_throwaway, with_tls
+
+            hosts = [cfg.server.host for cfg in opts.configs().values()]
+            opts = dataclasses.replace(with_tls(opts, *make_throwaway(self._run.path, hosts)), tls_throwaway_ca=False)
         self.opts, self.variants = opts, variants
         self.meshes = {v.name: Mesh(variant_options(opts, v)) for v in variants}
         server = opts.gateway.server
+        self.tls = Tls(server.tls_cert, server.tls_key, server.tls_ca) if server.tls_cert else None
         # Port 0: a free one now (Envoy does not report the ports it binds).
         self.listen = (server.host, server.port or free_port(server.host))
         self.admin = (server.host, admin_port or free_port(server.host))
         self.envoy: subprocess.Popen | None = None
-        self._run = RunDir()
 
     def target(self) -> str:
         """The public HOST:PORT (Envoy's listener)."""
@@ -94,14 +100,16 @@ class VariantMesh:
             host, port = mesh.target("gateway").rsplit(":", 1)
             gateways[name] = (host, int(port))
         config = self._run.path / "envoy.json"
-        config.write_text(json.dumps(envoy_config(self.variants, gateways, self.listen, self.admin), indent=1))
+        bootstrap = envoy_config(self.variants, gateways, self.listen, self.admin, self.tls)
+        config.write_text(json.dumps(bootstrap, indent=1))
         # No hot restart: it needs a shared-memory region per Envoy, and nothing here restarts it.
         cmd = [envoy_binary(), "-c", str(config), "--log-level", "warning", "--disable-hot-restart"]
         with signals_held():
             self.envoy = spawn(cmd, {})
         self._wait_envoy(time.monotonic() + 30)
         split = ", ".join(f"{v.name} {v.weight}" for v in self.variants)
-        progress(f"envoy routing on {self.target()} (weights {split}; admin on {self.admin[0]}:{self.admin[1]})")
+        tls = f"TLS, CA {self.tls.ca}; " if self.tls else ""
+        progress(f"envoy routing on {self.target()} ({tls}weights {split}; admin on {self.admin[0]}:{self.admin[1]})")
 
     def _wait_envoy(self, deadline: float) -> None:
         while True:

@@ -1,4 +1,6 @@
-"""Two real variants of the demo model (full and int8) behind a real Envoy: `vlmesh up --variants`."""
+"""Two real variants of the demo model (full and int8) behind a real Envoy: `vlmesh up --variants`,
+with a throwaway CA: TLS from the client to Envoy and from Envoy to the gateways, mTLS inside
+each worker and on the degradation's relay between the variants' gateways."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def variants():
         variants="full=70,int8=30",
         envoy_admin_port=0,
         max_in_flight={QosLevel.BEST_EFFORT: 1},
+        tls_throwaway_ca=True,
     )
     with VariantMesh(opts, parse_variants(opts.variants), opts.envoy_admin_port) as mesh:
         mesh.start(progress=lambda m: None)
@@ -46,8 +49,17 @@ def variants():
 
 @pytest.fixture(scope="module")
 def stub(variants):
-    with grpc.insecure_channel(variants.target()) as channel:
+    creds = grpc.ssl_channel_credentials(Path(variants.tls.ca).read_bytes())
+    with grpc.secure_channel(variants.target(), creds) as channel:
         yield gateway_pb2_grpc.GatewayStub(channel)
+
+
+def test_envoy_serves_tls_only(variants):
+    """A plaintext client gets no answer from Envoy's TLS port."""
+    with grpc.insecure_channel(variants.target()) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            gateway_pb2_grpc.GatewayStub(channel).GenerateUnary(gateway_pb2.GenerateRequest(prompt="x"), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def ask(stub, pin: str | None = None) -> str:
@@ -103,15 +115,17 @@ def test_best_effort_work_over_the_full_variants_queue_is_served_by_the_cheaper_
     try:
         busy = stub.Generate(long, timeout=60)
         next(busy)  # admitted and decoding on full
+        # The checks that need full busy first (the long request ends in a few seconds on a
+        # loaded host); a standard request lands on full whether it is busy or not.
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.GenerateUnary(short, metadata=(*best_effort, ("x-model-variant", "full")), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         _, call = stub.GenerateUnary.with_call(short, metadata=best_effort, timeout=30)
         served = dict(call.initial_metadata())
         assert served["x-model-variant"] == "int8" and served["x-vlmesh-degraded"] == "variant=int8"
         _, call = stub.GenerateUnary.with_call(short, timeout=30)
         assert dict(call.initial_metadata())["x-model-variant"] == "full"
         assert "x-vlmesh-degraded" not in dict(call.initial_metadata())
-        with pytest.raises(grpc.RpcError) as refused:
-            stub.GenerateUnary(short, metadata=(*best_effort, ("x-model-variant", "full")), timeout=30)
-        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         busy.cancel()
     finally:
         variants.set_weights({"full": 70, "int8": 30})
