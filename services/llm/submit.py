@@ -2,12 +2,20 @@
 
 `new_request` is shared by both engines, so that prompts, token budgets and request ids
 are the same whichever engine serves.
+
+Outputs cross from the engine thread to the servicer's event loop through one `Mailbox` per
+loop: the first output of a burst wakes the loop, the rest of the step's outputs join it. A
+wake-up per output (`call_soon_threadsafe`, a write to the loop's self-pipe) cost some 15 us
+on the engine thread, per sequence per step: half a millisecond a step at batch 32, on the
+thread whose every microsecond between two steps leaves the GPU idle.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 
 from services.common.errors import InvalidArgument
@@ -84,12 +92,48 @@ class QueuedSubmission:
                 self._abort(self.req.id)
 
 
+class Mailbox:
+    """Outputs posted from any thread to the queues of one event loop, one wake-up per burst."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, Output]] = []
+        self._woken = False  # a delivery is scheduled and has not taken the items yet
+
+    def post(self, queue: asyncio.Queue, out: Output) -> None:
+        """Put `out` on `queue` in the loop, after every output posted before it (RuntimeError: loop closed)."""
+        with self._lock:
+            self._items.append((queue, out))
+            if self._woken:
+                return
+            self._woken = True
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            with self._lock:
+                self._woken = False
+            raise
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items, self._woken = self._items, [], False
+        for queue, out in items:
+            queue.put_nowait(out)
+
+
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+
+
 def queued_emit() -> tuple[asyncio.Queue[Output], Callable[[Output], None]]:
     """A queue on the running loop, and the thread-safe callback that fills it from the engine thread."""
     loop = asyncio.get_running_loop()
     outputs: asyncio.Queue[Output] = asyncio.Queue()
+    mailbox = _mailboxes.get(loop)
+    if mailbox is None:
+        mailbox = _mailboxes[loop] = Mailbox(loop)
 
     def emit(out: Output) -> None:  # engine thread -> this loop
-        loop.call_soon_threadsafe(outputs.put_nowait, out)
+        mailbox.post(outputs, out)
 
     return outputs, emit

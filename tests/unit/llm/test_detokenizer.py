@@ -46,3 +46,24 @@ def test_stop_strings(tokenizer, text, stop, expected):
     out += d.flush()
     assert out == expected
     assert stopped == (expected != text)
+
+
+@pytest.mark.parametrize("model", ["tiny", "demo"])
+def test_the_rust_decode_is_transformers_decode(tokenizer, model):
+    """What the detokenizer calls (the fast tokenizer's Rust side) gives what transformers' `decode`
+    gives with no clean-up, special tokens and arbitrary id runs included."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from tests.helpers import ROOT
+
+    tok = tokenizer if model == "tiny" else AutoTokenizer.from_pretrained(ROOT / "models" / "demo")
+    assert tok.backend_tokenizer is not None
+    rng = random.Random(7)
+    special = list(tok.all_special_ids)
+    for n in (1, 2, 5, 17, 64):
+        for _ in range(40):
+            ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(n)]
+            want = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            assert Detokenizer(tok, ())._decode(ids) == want, ids

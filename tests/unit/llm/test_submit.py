@@ -67,3 +67,39 @@ def test_a_prompt_over_its_tenants_max_prompt_tokens_is_refused(prompts):
             f"the prompt takes {used} tokens (image tokens included); this request's tenant may send at most "
             f"{used - 1} (its max_prompt_tokens)"
         )
+
+
+def test_a_burst_of_outputs_arrives_in_order_with_one_wake_up():
+    """The engine thread posts a step's outputs while the loop is busy: they all arrive, in order, per
+    request, and the loop is woken once for the burst, not once per output."""
+    import asyncio
+    import threading
+
+    from services.llm.request import Output
+    from services.llm.submit import queued_emit
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakes = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(1), real(*a))[1]
+        pairs = [queued_emit() for _ in range(4)]
+
+        def engine():
+            for step in range(50):
+                for i, (_, emit) in enumerate(pairs):
+                    emit(Output(f"{i}:{step}", [step]))
+
+        thread = threading.Thread(target=engine)
+        thread.start()
+        thread.join()  # the loop is blocked here: every post lands in one burst
+        await asyncio.sleep(0.01)
+        got = [[q.get_nowait().text for _ in range(q.qsize())] for q, _ in pairs]
+        assert got == [[f"{i}:{s}" for s in range(50)] for i in range(4)]
+        assert len(wakes) == 1
+        # After the delivery a new burst wakes the loop again.
+        threading.Thread(target=lambda: pairs[0][1](Output("again", []))).start()
+        await asyncio.sleep(0.05)
+        assert pairs[0][0].get_nowait().text == "again" and len(wakes) == 2
+
+    asyncio.run(main())
