@@ -15,6 +15,7 @@ from __future__ import annotations
 class Detokenizer:
     def __init__(self, tokenizer, stop: tuple[str, ...]) -> None:
         self.tokenizer = tokenizer
+        self._rust = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer's own
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = []
@@ -24,9 +25,8 @@ class Detokenizer:
         self.sent = 0  # characters of self.text already released
 
     def _decode(self, ids: list[int]) -> str:
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            return backend.decode(ids, skip_special_tokens=True)
+        if self._rust is not None:
+            return self._rust.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def push(self, token_id: int) -> tuple[str, bool]:

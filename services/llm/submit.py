@@ -110,9 +110,9 @@ class Mailbox:
             self._woken = True
         try:
             self._loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:
+        except RuntimeError:  # the loop is closed: nothing posted to it can be delivered
             with self._lock:
-                self._woken = False
+                self._items, self._woken = [], False
             raise
 
     def _deliver(self) -> None:
