@@ -14,8 +14,9 @@ prompt and 16 decodes walked some 85 key blocks in one thread block (74.7 ms a s
 attend through the decode step's own attention (services/llm/attention.py, `DecodeAttention`:
 flex's paged decode kernel on CUDA) over the decode step's static inputs, and their rows of
 the prefill attention (rank -1: no pages) are overwritten with it. A step whose decodes do
-not fit (more than the largest `decode_rows`, or past the top row bucket) runs them in the
-decode step's graph after this one (services/llm/decode.py).
+not fit (more than the largest `decode_rows`, or past the top row bucket; the runner sizes the
+top bucket for a full prefill budget and a full batch) runs them in the decode step's graph
+after this one (services/llm/decode.py).
 
 Every input lives at a fixed address (the runner's staging buffer, one upload per step), so
 on CUDA each bucket's layers and head are captured in one CUDA graph: one replay where the

@@ -77,7 +77,8 @@ class ModelRunner:
         # the packed step's (services/llm/packed.py), when it runs the prefill.
         b, p = max_batch, self.max_pages
         auto, packed = packed is None, self.graphs if packed is None else packed
-        fixed = b * (3 + p) + (fixed_words(max_prefill_tokens, max_batch, self.n_pages) if packed else 0)
+        rows = max_prefill_tokens + max_batch  # the packed step's: a full budget, every decode riding
+        fixed = b * (3 + p) + (fixed_words(rows, max_batch, self.n_pages) if packed else 0)
         # Then a chunked prefill's ids, positions, slots, continued chunks' context, per-row values.
         capacity = fixed + 3 * max_prefill_tokens + max_batch * t.max_context + 8 * max_batch
         self.staging = Staging(capacity, fixed, device)
@@ -103,7 +104,7 @@ class ModelRunner:
                 self.staging,
                 at,
                 self.eos,
-                max_prefill_tokens,
+                rows,
                 max_batch,
                 self.decode,
                 self._prefill_in,

@@ -47,8 +47,8 @@ class Seq:
         return len(self.prompt_ids) + len(self.output_ids)
 
 
-def runner(spec, packed: bool) -> ModelRunner:
-    return ModelRunner(spec, torch.device("cpu"), torch.float32, 6, KvConfig(PAGE, 0.0, 0.6), 400, packed=packed)
+def runner(spec, packed: bool, budget: int = 400) -> ModelRunner:
+    return ModelRunner(spec, torch.device("cpu"), torch.float32, 6, KvConfig(PAGE, 0.0, 0.6), budget, packed=packed)
 
 
 def test_row_buckets():
@@ -124,6 +124,24 @@ def test_the_block_mask_lists_each_page_once_and_whole_pages_as_full(pair):
     # Ranked by block table: a ([1, 2, ...]) before b ([1, 25]); page 1 is held by both ranks.
     assert list(h["rank"][[0, 150]]) == [0, 1] and (h["lo"][1], h["hi"][1]) == (0, 1)
     assert (h["lo"][25], h["hi"][25], h["logical"][25]) == (1, 1, 1) and (h["lo"][5], h["hi"][5]) == (0, 0)
+
+
+def test_a_full_prefill_budget_still_carries_the_decodes(pair, tiny_model):
+    """A step whose prompt takes the whole budget (384, a row bucket's size) and decodes beside it:
+    the top bucket leaves room for them (budget + max_batch rows), and the tokens are the reference's."""
+    spec, ref, _ = pair
+    packed = runner(spec, packed=True, budget=384)
+    gen = torch.Generator().manual_seed(9)
+    a_ids, b_ids = (torch.randint(3, spec.text.vocab, (n,), generator=gen).tolist() for n in (20, 384))
+    out = {}
+    for name, r in (("ref", ref), ("packed", packed)):
+        a, b = Seq(a_ids, list(range(70, 73))), Seq(b_ids, list(range(80, 105)))
+        first = r.step([Chunk(a, 0, 20)], [])
+        a.output_ids.append(first[0])
+        out[name] = r.step([Chunk(b, 0, 384)], [a])
+        if name == "packed":
+            assert r.packed.decode_rows == 6 and r.packed.rows == 512
+    assert out["packed"] == out["ref"]
 
 
 def test_pages_shared_other_than_as_a_leading_run_are_not_packed(pair):
