@@ -74,6 +74,9 @@ def _endpoints(hosts: Sequence[tuple[str, int]]) -> list[dict]:
     return [{"endpoint": {"address": _address(h, p)}} for h, p in hosts]
 
 
+TLS = "envoy.extensions.transport_sockets.tls.v3"
+
+
 @dataclass(frozen=True)
 class Tls:
     """The files of the mesh's certificate, its key and its CA (PEM), as --tls-cert, --tls-key and --tls-ca."""
@@ -96,9 +99,6 @@ class Tls:
         common = {**self._context(), "validation_context": {"trusted_ca": {"filename": self.ca}}}
         context = {"@type": f"type.googleapis.com/{TLS}.UpstreamTlsContext", "common_tls_context": common}
         return {"name": "envoy.transport_sockets.tls", "typed_config": context}
-
-
-TLS = "envoy.extensions.transport_sockets.tls.v3"
 
 
 def _cluster(name: str, priorities: Sequence[Sequence[tuple[str, int]]], tls: Tls | None = None) -> dict:

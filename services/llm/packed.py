@@ -174,7 +174,7 @@ class PackedStep:
             at = first + np.arange(len(decodes))
             h["ids"][at] = [r.output_ids[-1] for r in decodes]
             h["pos"][at] = [r.computed for r in decodes]
-            h["slots"][at] = [pool_slots(r.blocks, np.array([r.computed]), page)[0] for r in decodes]
+            h["slots"][at] = [r.blocks[r.computed // page] * page + r.computed % page for r in decodes]
             last.extend(at.tolist())
             ban.extend(len(r.output_ids) < r.sampling.min_tokens for r in decodes)
             self._decode_len = max(r.computed for r in decodes) + 1

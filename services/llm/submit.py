@@ -96,7 +96,8 @@ class Mailbox:
     """Outputs posted from any thread to the queues of one event loop, one wake-up per burst."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        # Weakly: `_mailboxes` is keyed by the loop, and a value that held it would keep it alive.
+        self._loop = weakref.ref(loop)
         self._lock = threading.Lock()
         self._items: list[tuple[asyncio.Queue, Output]] = []
         self._woken = False  # a delivery is scheduled and has not taken the items yet
@@ -108,8 +109,11 @@ class Mailbox:
             if self._woken:
                 return
             self._woken = True
+        loop = self._loop()
         try:
-            self._loop.call_soon_threadsafe(self._deliver)
+            if loop is None:
+                raise RuntimeError("Event loop is closed")
+            loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the loop is closed: nothing posted to it can be delivered
             with self._lock:
                 self._items, self._woken = [], False
