@@ -2,11 +2,14 @@
 
 Decode has two implementations of one interface, `DecodeAttention`:
 - `FlexDecode` (CUDA): `flex_attention` reads the pages in place. Its block mask is built
-  from the block tables on the device: every page before a sequence's last is a full block
-  (no mask evaluated), the last is a partial block whose mask keeps offsets up to the
-  query's position. Its buffers are allocated once for the largest batch, so a CUDA graph
-  captures the step and replays it with new block tables. Each layer runs as one
-  `torch.compile`d function around it.
+  from the block tables on the device: each of a sequence's pages is one block, and the mask
+  keeps every offset of a page but the last, and the last's up to the query's position. Its
+  buffers are allocated once for the largest batch, so a CUDA graph captures the step and
+  replays it with new block tables. Each layer runs as one `torch.compile`d function around it.
+  No page is marked a full block, though most are: flex's decode kernel splits a sequence's
+  keys across CTAs by the count of its partial blocks, but its full blocks by the whole pool's
+  length, so full blocks put a sequence's pages all on one CTA (one sequence of 5 pages then
+  ran on 32 of the H200's 132 SMs).
 - `GatherDecode` (the reference, and the CPU's): gathers each sequence's pages into a
   contiguous [b, g, L, d] and runs SDPA with a length mask. Same function, simpler.
 
@@ -126,19 +129,18 @@ class FlexDecode:
         i32 = {"dtype": torch.int32, "device": device}
         # Block-mask tensors for the largest batch; a batch of b uses rows [:b]. The index
         # rows span the whole pool, as flex requires; only their first entries are read.
-        self.kv_num = torch.ones(max_batch, 1, 1, **i32)  # one partial (masked) block: the last page
+        self.kv_num = torch.ones(max_batch, 1, 1, **i32)  # the sequence's pages, up to its last
         self.kv_idx = torch.zeros(max_batch, 1, 1, n_pages, **i32)
-        self.full_num = torch.zeros(max_batch, 1, 1, **i32)  # the pages before it, unmasked
-        self.full_idx = torch.zeros(max_batch, 1, 1, n_pages, **i32)
+        self.last_page = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.last_offset = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self._masks: dict = {}
 
     def prepare(self, positions: torch.Tensor, tables: torch.Tensor, max_len: int) -> None:
         b, width = tables.shape
         last = positions // self.page_size
-        self.kv_idx[:b, 0, 0, 0] = tables.gather(1, last[:, None])[:, 0].to(torch.int32)
-        self.full_num[:b, 0, 0] = last.to(torch.int32)
-        self.full_idx[:b, 0, 0, :width] = tables.to(torch.int32)
+        self.kv_num[:b, 0, 0] = (last + 1).to(torch.int32)
+        self.kv_idx[:b, 0, 0, :width] = tables.to(torch.int32)
+        self.last_page[:b] = tables.gather(1, last[:, None])[:, 0]
         self.last_offset[:b] = positions % self.page_size
         if b not in self._masks:
             self._masks[b] = self._block_mask(b)
@@ -147,18 +149,16 @@ class FlexDecode:
         """The mask over the pool for a batch of b (made once per size, over the shared buffers)."""
         from torch.nn.attention.flex_attention import BlockMask
 
-        page, offset = self.page_size, self.last_offset
+        page, last, offset = self.page_size, self.last_page, self.last_offset
 
-        def in_last_page(batch, head, q_idx, kv_idx):  # evaluated on the partial block only
-            return (kv_idx % page) <= offset[batch]
+        def up_to_position(batch, head, q_idx, kv_idx):
+            return (kv_idx // page != last[batch]) | (kv_idx % page <= offset[batch])
 
         return BlockMask.from_kv_blocks(
             self.kv_num[:b],
             self.kv_idx[:b],
-            self.full_num[:b],
-            self.full_idx[:b],
             BLOCK_SIZE=(128, page),
-            mask_mod=in_last_page,
+            mask_mod=up_to_position,
             seq_lengths=(1, self.n_pages * page),
             compute_q_blocks=False,
         )
