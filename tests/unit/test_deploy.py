@@ -1,10 +1,13 @@
 """deploy/ with the real tools, offline: kustomize builds every overlay, kubernetes-validate passes
 the output strictly for Kubernetes 1.32, the Istio objects validate against cloudcoil's models
 with no field those models would ignore, and the weights, subsets and labels agree across the
-VirtualService, the DestinationRule, the Deployments and the local Envoy's config."""
+VirtualService, the DestinationRule, the Deployments and the local Envoy's config. deploy/flagger:
+each Canary's objects exist and agree, the variant split reaches only Flagger's primaries, and
+promtool evaluates the analysis queries over the canary's, its primary's and the llm's series."""
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import subprocess
@@ -23,7 +26,7 @@ from tests.helpers import ROOT
 
 DEPLOY = ROOT / "deploy"
 VARIANTS = parse_variants((DEPLOY / "variants.txt").read_text().strip())
-BUILDS = ["deploy", *(f"deploy/overlays/{v.name}" for v in VARIANTS), "deploy/mesh"]
+BUILDS = ["deploy", *(f"deploy/overlays/{v.name}" for v in VARIANTS), "deploy/mesh", "deploy/flagger"]
 
 
 def tool(name: str) -> str:
@@ -197,3 +200,137 @@ def test_percents_add_up_to_100():
     assert percents(parse_variants("full=70,int8=30")) == {"full": 70, "int8": 30}
     assert percents(parse_variants("full=1,int8=1,int4=1")) == {"full": 34, "int8": 33, "int4": 33}
     assert sum(percents(parse_variants("full=2,int8=7")).values()) == 100
+
+
+# ---- deploy/flagger: a Blue/Green Canary per variant (services/launcher/flagger.py) ----
+
+
+def test_the_committed_flagger_files_are_what_variants_txt_renders():
+    from services.launcher.flagger import render as render_flagger
+
+    for name, text in render_flagger((DEPLOY / "variants.txt").read_text()).items():
+        assert (DEPLOY / "flagger" / name).read_text() == text, (
+            f"deploy/flagger/{name} is stale: python -m services.launcher.flagger deploy/variants.txt deploy/flagger"
+        )
+
+
+def flagger_primary_labels(template_labels: dict) -> dict:
+    """The labels of the pods Flagger makes for a Deployment's primary: its selector label gets `-primary`."""
+    from services.launcher.flagger import SELECTOR_LABEL
+
+    return {**template_labels, SELECTOR_LABEL: template_labels[SELECTOR_LABEL] + "-primary"}
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_each_canary_rolls_out_its_variant_and_the_split_reaches_only_primaries():
+    import shlex
+
+    from google.protobuf import json_format
+    from PIL import Image
+
+    from services.launcher.flagger import GATEWAY_PORT, SELECTOR_LABEL, worker
+    from vlmesh.v1 import gateway_pb2
+
+    docs = kustomize("deploy/flagger")
+    by_kind: dict[str, dict[str, dict]] = {}
+    for doc in docs:
+        by_kind.setdefault(doc["kind"], {})[doc["metadata"]["name"]] = doc
+    top = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["resources"]
+    ours = yaml.safe_load((DEPLOY / "flagger" / "kustomization.yaml").read_text())["resources"]
+    assert ours == [f"../{r}" for r in top] + ["canaries.yaml"], "deploy/flagger deploys what deploy/ does"
+    assert sorted(by_kind["Canary"]) == sorted(worker(v.name) for v in VARIANTS)
+    (rule,) = by_kind["DestinationRule"].values()
+    subsets = {s["name"]: s["labels"] for s in rule["spec"]["subsets"]}
+    (service,) = by_kind["Service"].values()
+    for v in VARIANTS:
+        name = worker(v.name)
+        spec = by_kind["Canary"][name]["spec"]
+        assert spec["provider"] == "kubernetes" and "stepWeight" not in spec["analysis"]  # Blue/Green, no VS
+        deployment = by_kind["Deployment"][spec["targetRef"]["name"]]
+        assert deployment["metadata"]["name"] == name
+        assert deployment["spec"]["selector"]["matchLabels"][SELECTOR_LABEL] == name
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert labels[SELECTOR_LABEL] == name
+        hpa = by_kind["HorizontalPodAutoscaler"][spec["autoscalerRef"]["name"]]
+        assert hpa["spec"]["scaleTargetRef"]["name"] == name
+        gateway = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "gateway")
+        port = next(p for p in gateway["ports"] if p["name"] == spec["service"]["targetPort"])
+        assert port["containerPort"] == spec["service"]["port"] == GATEWAY_PORT
+        # The variant's subset takes its primary's pods and not the canary's, nor another variant's.
+        primary = flagger_primary_labels(labels)
+        assert [s for s, sel in subsets.items() if selects(sel, primary)] == [v.name]
+        assert not any(selects(sel, labels) for sel in subsets.values())
+        assert selects(service["spec"]["selector"], primary)
+        # The disruption budget and the network policy cover the primary's pods too.
+        assert selects(by_kind["PodDisruptionBudget"][name]["spec"]["selector"]["matchLabels"], primary)
+        assert selects(by_kind["NetworkPolicy"][name]["spec"]["podSelector"]["matchLabels"], primary)
+        for metric in spec["analysis"]["metrics"]:
+            assert metric["templateRef"]["name"] in by_kind["MetricTemplate"]
+        # The load test calls the canary's Service with a request the gateway's proto accepts.
+        (hook,) = spec["analysis"]["webhooks"]
+        argv = shlex.split(hook["metadata"]["cmd"])
+        assert argv[0] == "ghz" and argv[-1] == f"{name}-canary.vlmesh:{GATEWAY_PORT}"
+        assert argv[argv.index("--call") + 1] == "vlmesh.v1.Gateway/GenerateUnary"
+        request = json_format.Parse(argv[argv.index("-d") + 1], gateway_pb2.GenerateRequest())
+        assert request.sampling.max_tokens == 16 and request.prompt
+        Image.open(io.BytesIO(request.images[0].data)).verify()
+
+
+def test_the_canary_queries_select_the_canarys_pods_and_compute_what_they_say(tmp_path):
+    """promtool evaluates the MetricTemplates' PromQL (Flagger's variables filled in) over series of the
+    canary's pods, its primary's and another service's: only the canary's gateway counts."""
+    from services.launcher.flagger import ERROR_RATIO_QUERY, P99_QUERY
+
+    def query(template: str) -> str:
+        values = {"namespace": "vlmesh", "target": "vlmesh-worker-int8", "interval": "1m"}
+        for key, value in values.items():
+            template = template.replace("{{ %s }}" % key, value)  # noqa: UP031 (Flagger's placeholders)
+        assert "{{" not in template
+        return template
+
+    canary, primary = "vlmesh-worker-int8-5d8f7c9b6-x7k2p", "vlmesh-worker-int8-primary-7c9d8f6b5-q4m8z"
+
+    def requests(pod: str, code: str, per_15s: float, service: str = "gateway") -> dict:
+        labels = f'namespace="vlmesh",pod="{pod}",service="{service}",method="GenerateUnary",code="{code}"'
+        return {"series": f"vlmesh_requests_total{{{labels}}}", "values": f"0+{per_15s}x40"}
+
+    def buckets(pod: str, per_15s: dict[str, float]) -> list[dict]:
+        return [
+            {"series": f'vlmesh_request_duration_seconds_bucket{{namespace="vlmesh",pod="{pod}",le="{le}"}}',
+             "values": f"0+{n}x40"}
+            for le, n in per_15s.items()
+        ]  # fmt: skip
+
+    fast = {"0.1": 0, "0.25": 150, "+Inf": 150}  # every canary request in (0.1, 0.25] s
+    slow = {"0.1": 0, "0.25": 0, "+Inf": 150}  # the primary's: slower than any bound
+    tests = [
+        {
+            "interval": "15s",
+            "input_series": [
+                requests(canary, "OK", 150),  # 10/s
+                requests(canary, "INTERNAL", 1.5),  # 0.1/s: 0.99% of the 10.1/s answered
+                requests(canary, "CANCELLED", 15),  # the load test's own cancels: not answered
+                requests(canary, "INTERNAL", 150, service="llm"),  # the llm's own calls: not the gateway's
+                requests(primary, "INTERNAL", 150),  # the primary's errors: not the canary's
+                *buckets(canary, fast),
+                *buckets(primary, slow),
+            ],
+            "promql_expr_test": [
+                {"expr": query(ERROR_RATIO_QUERY), "eval_time": "5m", "exp_samples": [{"value": 100 * 0.1 / 10.1}]},
+                {"expr": query(P99_QUERY), "eval_time": "5m", "exp_samples": [{"value": 1000 * (0.1 + 0.15 * 0.99)}]},
+            ],
+        },
+        {  # no error series at all is a ratio of 0, not no value
+            "interval": "15s",
+            "input_series": [requests(canary, "OK", 150)],
+            "promql_expr_test": [{"expr": query(ERROR_RATIO_QUERY), "eval_time": "5m", "exp_samples": [{"value": 0}]}],
+        },
+    ]
+    (tmp_path / "rules.yaml").write_text("groups: []\n")
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "tests": tests}))
+    promtool = [tool("promtool"), "test", "rules", str(tmp_path / "test.yaml")]
+    out = subprocess.run(promtool, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
