@@ -37,7 +37,9 @@ SELECTOR_LABEL = "app"  # the first of Flagger's default selector labels: the on
 PROMETHEUS = "http://prometheus.istio-system:9090"
 LOADTESTER = "http://flagger-loadtester.vlmesh/"  # Flagger's load tester (it ships ghz), installed with Flagger
 GATEWAY_PORT = 50051
-INTERVAL, ITERATIONS, THRESHOLD = "1m", 10, 2
+# The load test starts with the analysis (Flagger runs the rollout webhooks, then the checks, each
+# interval), so the first check may find no data, which counts as failed: 3 allow for it.
+INTERVAL, ITERATIONS, THRESHOLD = "1m", 10, 3
 ERROR_RATIO_MAX_PERCENT = 1.0
 P99_MAX_MS = 387.0  # the latency bound the W1 capacity figures use (docs/PERF.md)
 LOAD_RPS = 4
