@@ -8,6 +8,8 @@ largest difference from SDPA on the same keys gathered contiguously.
   the H200 showed that flex's decode kernel splits full blocks by the pool's length, so a
   sequence's pages all ran on one CTA per head); `partial` marks every page partial, with the
   mask keeping all of a page but the last (the engine's layout now).
+  Then the partial layout at batches 1-8 with `SPLIT_KV` set (flex's own choice is 2 x SMs /
+  (batch x heads), 1 from batch 8).
 - prefill, one 608-position prompt (W1's) causal over its pages, with flex's default kernel
   options and others, and cuDNN / flash SDPA on contiguous keys for reference.
 
@@ -66,7 +68,7 @@ class Probe:
         """Layer i's keys and values at pool positions `slots` [b, L] -> [b, h, L, d]."""
         return self.k[i][:, slots].transpose(0, 1), self.v[i][:, slots].transpose(0, 1)
 
-    def decode(self, b: int, ctx: int, layout: str) -> None:
+    def decode(self, b: int, ctx: int, layout: str, split: int | None = None) -> None:
         from torch.nn.attention.flex_attention import BlockMask
 
         n = -(-ctx // PAGE)
@@ -100,14 +102,20 @@ class Probe:
         q = torch.randn(b, H, 1, D, device="cuda", dtype=torch.bfloat16)
         out = []
 
+        options = {"SPLIT_KV": split} if split else None  # CTAs per (sequence, head); flex's own choice if None
+
         def run():
-            out[:] = [self.flex(q, self.k[i][None], self.v[i][None], block_mask=mask) for i in range(self.layers)]
+            out[:] = [
+                self.flex(q, self.k[i][None], self.v[i][None], block_mask=mask, kernel_options=options)
+                for i in range(self.layers)
+            ]
 
         us = self.graph_us(run)
         slots = (tables[:, :, None] * PAGE + torch.arange(PAGE, device="cuda")).flatten(1)[:, :ctx]
         ref = F.scaled_dot_product_attention(q, *self.gathered(self.layers - 1, slots))
         err = (out[-1].float() - ref.float()).abs().max().item()
-        self.rows.append((f"decode b={b} ctx={ctx}", layout, us, b * ctx * H * D * 4 / 4.3e12 * 1e6, err))
+        variant = f"{layout}, SPLIT_KV {split or 'auto'}"
+        self.rows.append((f"decode b={b} ctx={ctx}", variant, us, b * ctx * H * D * 4 / 4.3e12 * 1e6, err))
 
     def prefill(self, n: int, label: str) -> None:
         from torch.nn.attention.flex_attention import BlockMask
@@ -184,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     for b, ctx in ((1, 600), (4, 600), (32, 600), (1, 2000)):
         for layout in ("full+partial", "partial"):
             probe.decode(b, ctx, layout)
+    for b in (1, 2, 4, 8):  # flex picks 2 x SMs / (b x heads) splits, 1 from batch 8: does more pay?
+        for split in (4, 8, 16):
+            probe.decode(b, 600, "partial", split)
     for label in PREFILL_OPTIONS:
         probe.prefill(608, label)
     print(f"probe took {time.perf_counter() - t0:.0f} s")
