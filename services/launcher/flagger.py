@@ -35,7 +35,8 @@ from services.launcher.routing import Variant, parse_variants
 API = "flagger.app/v1beta1"
 SELECTOR_LABEL = "app"  # the first of Flagger's default selector labels: the one it renames for the primary
 PROMETHEUS = "http://prometheus.istio-system:9090"
-LOADTESTER = "http://flagger-loadtester.vlmesh/"  # Flagger's load tester (it ships ghz), installed with Flagger
+NAMESPACE = "vlmesh"  # where deploy/ is applied (kubectl apply -k ... -n vlmesh)
+LOADTESTER = f"http://flagger-loadtester.{NAMESPACE}/"  # Flagger's load tester (it ships ghz), installed with Flagger
 GATEWAY_PORT = 50051
 # The load test starts with the analysis (Flagger runs the rollout webhooks, then the checks, each
 # interval), so the first check may find no data, which counts as failed: 3 allow for it.
@@ -58,7 +59,11 @@ P99_QUERY = (
     "1000 * histogram_quantile(0.99, sum(rate("
     f"vlmesh_request_duration_seconds_bucket{{{_PODS}}}[{{{{ interval }}}}])) by (le))"
 )
-TEMPLATES = {"vlmesh-error-ratio": ERROR_RATIO_QUERY, "vlmesh-latency-p99": P99_QUERY}
+# Each MetricTemplate: its query and the largest value a check accepts.
+TEMPLATES = {
+    "vlmesh-error-ratio": (ERROR_RATIO_QUERY, ERROR_RATIO_MAX_PERCENT),
+    "vlmesh-latency-p99": (P99_QUERY, P99_MAX_MS),
+}
 
 
 def worker(variant: str) -> str:
@@ -88,7 +93,7 @@ def load_command(variant: str) -> str:
     metadata = json.dumps({QOS_METADATA_KEY: "standard"}, separators=(",", ":"))
     return (
         f"ghz --insecure --call vlmesh.v1.Gateway/GenerateUnary --rps {LOAD_RPS} -z {INTERVAL} "
-        f"--metadata '{metadata}' -d '{body}' {worker(variant)}-canary.vlmesh:{GATEWAY_PORT}"
+        f"--metadata '{metadata}' -d '{body}' {worker(variant)}-canary.{NAMESPACE}:{GATEWAY_PORT}"
     )
 
 
@@ -100,13 +105,12 @@ def metric_templates() -> list[dict]:
             "metadata": {"name": name},
             "spec": {"provider": {"type": "prometheus", "address": PROMETHEUS}, "query": query},
         }
-        for name, query in TEMPLATES.items()
+        for name, (query, _) in TEMPLATES.items()
     ]
 
 
 def canary(variant: Variant) -> dict:
     name = worker(variant.name)
-    checks = zip(TEMPLATES, ({"max": ERROR_RATIO_MAX_PERCENT}, {"max": P99_MAX_MS}), strict=True)
     return {
         "apiVersion": API,
         "kind": "Canary",
@@ -123,8 +127,8 @@ def canary(variant: Variant) -> dict:
                 "iterations": ITERATIONS,  # iterations and no stepWeight: Blue/Green
                 "threshold": THRESHOLD,
                 "metrics": [
-                    {"name": t, "templateRef": {"name": t}, "thresholdRange": r, "interval": INTERVAL}
-                    for t, r in checks
+                    {"name": t, "templateRef": {"name": t}, "thresholdRange": {"max": limit}, "interval": INTERVAL}
+                    for t, (_, limit) in TEMPLATES.items()
                 ],
                 "webhooks": [
                     {

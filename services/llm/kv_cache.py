@@ -36,6 +36,11 @@ def pool_slots(blocks: list[int], positions: np.ndarray, page_size: int) -> np.n
     return np.asarray(blocks, dtype=np.int64)[positions // page_size] * page_size + positions % page_size
 
 
+def pool_slot(blocks: list[int], position: int, page_size: int) -> int:
+    """`pool_slots` of one position, without arrays (a decode's, once a step)."""
+    return blocks[position // page_size] * page_size + position % page_size
+
+
 def page_bytes(spec: LlavaSpec, dtype: torch.dtype, page_size: int) -> int:
     """Bytes of one page: K and V, every layer."""
     t = spec.text

@@ -36,7 +36,7 @@ import torch
 from services.common.buckets import capture_graphs
 from services.llm.attention import prefill_in, prefill_out
 from services.llm.decode import DecodeStep, ban_eos
-from services.llm.kv_cache import PagedKvCache, pool_slots
+from services.llm.kv_cache import PagedKvCache, pool_slot, pool_slots
 from services.llm.packed_mask import Q_BLOCK, block_mask, stage_blocks, stage_pages
 from services.llm.request import Request
 from services.llm.scheduler import Chunk
@@ -174,7 +174,7 @@ class PackedStep:
             at = first + np.arange(len(decodes))
             h["ids"][at] = [r.output_ids[-1] for r in decodes]
             h["pos"][at] = [r.computed for r in decodes]
-            h["slots"][at] = [r.blocks[r.computed // page] * page + r.computed % page for r in decodes]
+            h["slots"][at] = [pool_slot(r.blocks, r.computed, page) for r in decodes]
             last.extend(at.tolist())
             ban.extend(len(r.output_ids) < r.sampling.min_tokens for r in decodes)
             self._decode_len = max(r.computed for r in decodes) + 1

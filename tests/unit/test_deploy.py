@@ -231,7 +231,7 @@ def test_each_canary_rolls_out_its_variant_and_the_split_reaches_only_primaries(
     from google.protobuf import json_format
     from PIL import Image
 
-    from services.launcher.flagger import GATEWAY_PORT, SELECTOR_LABEL, worker
+    from services.launcher.flagger import GATEWAY_PORT, NAMESPACE, SELECTOR_LABEL, worker
     from vlmesh.v1 import gateway_pb2
 
     docs = kustomize("deploy/flagger")
@@ -272,7 +272,7 @@ def test_each_canary_rolls_out_its_variant_and_the_split_reaches_only_primaries(
         # The load test calls the canary's Service with a request the gateway's proto accepts.
         (hook,) = spec["analysis"]["webhooks"]
         argv = shlex.split(hook["metadata"]["cmd"])
-        assert argv[0] == "ghz" and argv[-1] == f"{name}-canary.vlmesh:{GATEWAY_PORT}"
+        assert argv[0] == "ghz" and argv[-1] == f"{name}-canary.{NAMESPACE}:{GATEWAY_PORT}"
         assert argv[argv.index("--call") + 1] == "vlmesh.v1.Gateway/GenerateUnary"
         request = json_format.Parse(argv[argv.index("-d") + 1], gateway_pb2.GenerateRequest())
         assert request.sampling.max_tokens == 16 and request.prompt
