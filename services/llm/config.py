@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from dataclasses import dataclass
 
@@ -86,6 +87,15 @@ class NativeEngineConfig:
         default=False,
         help="on CUDA, run the decode step eagerly: no torch.compile, no CUDA graphs, attention by "
         "gathering pages (slow; for debugging) (default %(default)s)",
+    )
+
+    step_trace: str | None = flag(
+        "--step-trace",
+        default_factory=lambda: os.environ.get("VLMESH_STEP_TRACE") or None,
+        metavar="PATH",
+        help="append one JSON line per engine step to PATH: host gap, step time, postprocess, prompt rows "
+        "and decodes (services/llm/step_trace.py; summed up by python -m bench.step_trace). "
+        "Default: $VLMESH_STEP_TRACE, else off",
     )
 
     def page_size(self, device_type: str) -> int:

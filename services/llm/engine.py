@@ -25,6 +25,7 @@ from services.llm.interface import EngineStats, Job, Leases
 from services.llm.request import Finish, Output, Request
 from services.llm.runner import ModelRunner
 from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS, Plan, Scheduler
+from services.llm.step_trace import StepTrace
 from services.llm.submit import QueuedSubmission, new_request, queued_emit
 from services.model.prompt import PromptBuilder
 
@@ -44,8 +45,10 @@ class NativeEngine:
         default_max_tokens: int,
         max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
         prefix_cache: bool = True,
+        step_trace: str | None = None,
     ) -> None:
-        """`prefix_cache`: share the KV pages of prompts' equal leading pages (services/llm/prefix.py)."""
+        """`prefix_cache`: share the KV pages of prompts' equal leading pages (services/llm/prefix.py);
+        `step_trace`: append a line per step to this file (services/llm/step_trace.py)."""
         self.runner = runner
         self.prompts, self.default_max_tokens = prompts, default_max_tokens
         pages = BlockManager(runner.n_pages, runner.page_size)
@@ -55,6 +58,7 @@ class NativeEngine:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self.eos = set(runner.spec.text.eos_token_ids)
+        self._trace = StepTrace(step_trace) if step_trace else None
         sched = self.scheduler
         KV_SLOTS.labels("used").set_function(lambda: len(sched.running))
         KV_SLOTS.labels("free").set_function(lambda: sched.free_places)
@@ -126,6 +130,8 @@ class NativeEngine:
             if plan.empty:
                 self._wake.wait()
                 self._wake.clear()
+                if self._trace:
+                    self._trace.idle()
                 continue
             try:
                 self._step(plan)
@@ -136,6 +142,8 @@ class NativeEngine:
                         self._finish(req, Finish.ERROR, f"engine step failed: {type(err).__name__}: {err}")
         for req in list(self.scheduler.running) + self.scheduler.all_waiting():
             self._finish(req, Finish.ABORT, "the llm server is shutting down")
+        if self._trace:
+            self._trace.close()
 
     def _step(self, plan: Plan) -> None:
         now = time.perf_counter()
@@ -155,6 +163,7 @@ class NativeEngine:
             return
         if decodes:
             BATCH_SIZE.labels("llm").observe(len(decodes))
+        launched = time.perf_counter()
         tokens = self.runner.step(chunks, decodes)  # ends with a host sync: the step's reads are done
         for c in chunks:
             self.scheduler.computed(c.req)  # its full prompt pages, for the prompts after it
@@ -166,6 +175,9 @@ class NativeEngine:
             if not req.prefill_done_at:  # a resumed request keeps its first prefill's clock
                 req.prefill_done_at = done
         self._postprocess(completed + decodes, tokens)
+        if self._trace:
+            rows = sum(c.end - c.start for c in chunks)
+            self._trace.record(launched, done, time.perf_counter(), rows, len(chunks), len(decodes))
 
     def _leases_hold(self, req: Request, start: int) -> bool:
         """Verify the leases of features read from position `start` on; a lost lease fails the request."""

@@ -52,4 +52,6 @@ def build_native(
     runner = ModelRunner(
         prompts.spec, device, dtype, max_batch, kv, cfg.max_prefill_tokens, cfg.enforce_eager, cfg.quantize, packed
     )
-    return NativeEngine(runner, max_batch, prompts, default_max_tokens, cfg.max_prefill_tokens, cfg.prefix_cache)
+    return NativeEngine(
+        runner, max_batch, prompts, default_max_tokens, cfg.max_prefill_tokens, cfg.prefix_cache, cfg.step_trace
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -228,3 +229,25 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(parts, mo
         parts.run(ok)
         assert ok[1]["finish"] is Finish.LENGTH
     assert_idle(parts.engine)
+
+
+def test_step_trace_records_every_step(tiny_model, tmp_path):
+    """--step-trace: a line per step, whose prompt rows and decodes account for every token made."""
+    from bench.step_trace import main as summarize
+    from services.llm.config import NativeEngineConfig
+
+    trace = tmp_path / "steps.jsonl"
+    p = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(step_trace=str(trace), max_prefill_tokens=64))
+    try:
+        pairs = [p.request(i, prompt, max_tokens=6, min_tokens=6) for i, prompt in enumerate(PROMPTS[:3])]
+        p.run(*pairs)
+    finally:
+        p.engine.stop()  # flushes the trace
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    prompt_len = sum(req.prompt_len for req, _ in pairs)
+    assert sum(r["prompt_rows"] for r in rows) == prompt_len  # chunks of 64 rows: several steps each
+    assert max(r["prompt_rows"] for r in rows) <= 64
+    # Each request's first token comes from its last chunk, the other five from decode rows.
+    assert sum(r["decodes"] for r in rows) == 3 * 5
+    assert all(r["run_ms"] > 0 and r["gap_ms"] >= 0 and r["post_ms"] >= 0 for r in rows)
+    assert summarize([str(trace), "--min-steps", "1"]) == 0

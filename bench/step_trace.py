@@ -1,0 +1,110 @@
+"""Sum up an engine step trace (`--step-trace PATH`, services/llm/step_trace.py).
+
+The trace is cut into segments wherever the engine went `--pause` seconds without a step (a
+bench's rates run one after another on one mesh); each segment gets one row:
+
+- `steps/s`, and `busy`: the share of the segment's wall time spent inside steps (launch to
+  the host sync);
+- host time per step, p50 and p99: `gap` (scheduling, before the launch) and `post`
+  (postprocess, after the sync): the device idles through both;
+- decode-only steps: count, mean batch, step p50; steps with prompt rows: count, prompts and
+  rows per step, step p50 and p99.
+
+    python -m bench.step_trace PATH [--pause 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def segments(rows: list[dict], pause_s: float) -> list[list[dict]]:
+    out: list[list[dict]] = []
+    for row in rows:
+        if not out or row["t"] - out[-1][-1]["t"] > pause_s:
+            out.append([])
+        out[-1].append(row)
+    return out
+
+
+def summary(seg: list[dict]) -> dict[str, float]:
+    last = seg[-1]
+    wall = last["t"] + (last["run_ms"] + last["post_ms"]) / 1e3 - seg[0]["t"] + seg[0]["gap_ms"] / 1e3
+    pure = [r for r in seg if not r["prompts"]]
+    mixed = [r for r in seg if r["prompts"]]
+    mean = lambda xs: statistics.fmean(xs) if xs else float("nan")  # noqa: E731
+    return {
+        "wall_s": wall,
+        "steps": len(seg),
+        "steps_per_s": len(seg) / wall if wall > 0 else float("nan"),
+        "busy": sum(r["run_ms"] for r in seg) / 1e3 / wall if wall > 0 else float("nan"),
+        "gap_p50": quantile([r["gap_ms"] for r in seg], 0.5),
+        "gap_p99": quantile([r["gap_ms"] for r in seg], 0.99),
+        "post_p50": quantile([r["post_ms"] for r in seg], 0.5),
+        "post_p99": quantile([r["post_ms"] for r in seg], 0.99),
+        "decode_steps": len(pure),
+        "decode_batch": mean([r["decodes"] for r in pure]),
+        "decode_p50": quantile([r["run_ms"] for r in pure], 0.5),
+        "prompt_steps": len(mixed),
+        "prompts_per_step": mean([r["prompts"] for r in mixed]),
+        "rows_per_step": mean([r["prompt_rows"] for r in mixed]),
+        "riding": mean([r["decodes"] for r in mixed]),
+        "prompt_p50": quantile([r["run_ms"] for r in mixed], 0.5),
+        "prompt_p99": quantile([r["run_ms"] for r in mixed], 0.99),
+    }
+
+
+COLUMNS = (
+    ("wall_s", "wall s", ".1f"),
+    ("steps_per_s", "steps/s", ".0f"),
+    ("busy", "busy", ".2f"),
+    ("gap_p50", "gap p50", ".2f"),
+    ("gap_p99", "p99", ".2f"),
+    ("post_p50", "post p50", ".2f"),
+    ("post_p99", "p99", ".2f"),
+    ("decode_steps", "dec steps", "d"),
+    ("decode_batch", "batch", ".1f"),
+    ("decode_p50", "dec p50", ".2f"),
+    ("prompt_steps", "pf steps", "d"),
+    ("prompts_per_step", "prompts", ".2f"),
+    ("rows_per_step", "rows", ".0f"),
+    ("riding", "riding", ".1f"),
+    ("prompt_p50", "pf p50", ".2f"),
+    ("prompt_p99", "p99", ".2f"),
+)
+
+
+def table(summaries: list[dict[str, float]]) -> str:
+    lines = ["  ".join(f"{title:>9}" for _, title, _ in COLUMNS)]
+    for s in summaries:
+        lines.append("  ".join(f"{format(s[key], fmt):>9}" for key, _, fmt in COLUMNS))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.step_trace", description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", type=Path, help="the engine's --step-trace file")
+    parser.add_argument("--pause", type=float, default=1.0, help="seconds without a step that end a segment")
+    parser.add_argument("--min-steps", type=int, default=50, help="leave out shorter segments (warm-ups)")
+    args = parser.parse_args(argv)
+    rows = [json.loads(line) for line in args.path.read_text().splitlines() if line.strip()]
+    if not rows:
+        parser.error(f"{args.path}: no steps recorded")
+    segs = [s for s in segments(rows, args.pause) if len(s) >= args.min_steps]
+    print(f"{len(rows)} steps; {len(segs)} segments of >= {args.min_steps} steps (ms unless named)")
+    print(table([summary(s) for s in segs]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

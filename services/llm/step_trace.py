@@ -1,0 +1,58 @@
+"""A per-step trace of the native engine, for finding where a loaded engine's time goes.
+
+With `--step-trace PATH` the engine thread appends one JSON line per step: when its launch began
+(`t`, seconds of the host's monotonic clock); the host time before it (`gap_ms`: draining the
+inbox and scheduling, since the previous step ended or the engine woke); the step itself
+(`run_ms`: launch to the host sync that ends it, so the device time plus its launches); the
+postprocess (`post_ms`: EOS, stop strings, detokenizing, handing outputs to the event loop); and
+what the step carried (`prompts`, `prompt_rows`, `decodes`). `python -m bench.step_trace PATH`
+sums it up.
+
+Lines are buffered and written in blocks, so a step pays a list append; the file is flushed
+when the engine stops.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+FLUSH_EVERY = 512  # steps
+
+
+class StepTrace:
+    def __init__(self, path: str | Path) -> None:
+        self._file = open(path, "a", encoding="utf-8")  # held for the engine's life
+        self._rows: list[str] = []
+        self._last_end = time.perf_counter()
+
+    def record(self, launched: float, ran: float, end: float, rows: int, prompts: int, decodes: int) -> None:
+        """One step's clock readings (time.perf_counter) and what it carried."""
+        row = {
+            "t": round(launched, 6),
+            "gap_ms": round((launched - self._last_end) * 1e3, 3),
+            "run_ms": round((ran - launched) * 1e3, 3),
+            "post_ms": round((end - ran) * 1e3, 3),
+            "prompts": prompts,
+            "prompt_rows": rows,
+            "decodes": decodes,
+        }
+        self._last_end = end
+        self._rows.append(json.dumps(row))
+        if len(self._rows) >= FLUSH_EVERY:
+            self.flush()
+
+    def idle(self) -> None:
+        """The engine waited for work: the next step's gap starts now, not at the last step's end."""
+        self._last_end = time.perf_counter()
+
+    def flush(self) -> None:
+        if self._rows:
+            self._file.write("\n".join(self._rows) + "\n")
+            self._file.flush()
+            self._rows.clear()
+
+    def close(self) -> None:
+        self.flush()
+        self._file.close()
