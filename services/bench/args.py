@@ -162,6 +162,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--ready-signal", default="sync", choices=READY_SIGNALS, help="CUDA hand-off readiness (mesh)")
     p.add_argument(
+        "--cuda-mps",
+        action="store_true",
+        help="start the mesh under an NVIDIA MPS daemon of its own (vlmesh up --cuda-mps): vision and llm "
+        "share the GPU instead of time-slicing it (mesh)",
+    )
+    p.add_argument(
         "--event-loop",
         default="auto",
         choices=eventloop.EVENT_LOOPS,
@@ -184,6 +190,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
         parser.error(f"argument --warmup: {args.warmup:g} must be less than --duration {args.duration:g}")
     if args.tls and (args.gateway or set(args.target) - {"mesh"}):
         parser.error("argument --tls: only with --target mesh, the mesh it starts itself (not with --gateway)")
+    if args.cuda_mps and args.gateway:
+        parser.error("argument --cuda-mps: only for the mesh the bench starts itself (not with --gateway)")
     if "mesh-http" in args.target and args.gateway and not args.gateway_http:
         parser.error("argument --target: mesh-http with --gateway needs --gateway-http URL (the gateway's HTTP door)")
     return args

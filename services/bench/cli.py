@@ -198,6 +198,7 @@ def serve(name: str, args, say, http: bool = False):
                 log_level="warning",
                 http_port=0 if http else -1,
                 tls_throwaway_ca=args.tls,
+                cuda_mps=args.cuda_mps,
             )
         )
         try:

@@ -1,8 +1,9 @@
 """`vlmesh up`: ports, the supervisor of the three processes, and the command line."""
 
 from services.launcher.cli import build_parser, options_from_args, up
+from services.launcher.options import MeshOptions
 from services.launcher.ports import MeshError, PortBusy, check_ports, free_port
-from services.launcher.supervisor import Child, Mesh, MeshOptions, health_status
+from services.launcher.supervisor import Child, Mesh, health_status
 from services.launcher.warmup import warmup_images
 
 __all__ = [

@@ -21,10 +21,11 @@ from services.common.flags import add_flags, from_args
 from services.common.validation import CliParser
 from services.gateway import config as gateway_config
 from services.gateway.config import GatewayConfig
+from services.launcher.options import MeshOptions
 from services.launcher.ports import MeshError, PortBusy, check_ports
 from services.launcher.process import Stopped, signals_ignored, stop_on_signals
 from services.launcher.routing import parse_variants
-from services.launcher.supervisor import Mesh, MeshOptions
+from services.launcher.supervisor import Mesh
 from services.launcher.variants import VariantMesh, envoy_binary
 from services.launcher.warmup import warmup_images
 from services.llm import config as llm_config
@@ -234,7 +235,11 @@ def _checked_options(argv: Sequence[str]) -> MeshOptions:
         p.error(str(err))
     if options.tls_throwaway_ca and options.gateway.server.tls_cert:
         p.error("--tls-throwaway-ca makes its own certificate: not with --tls-cert")
+    if options.cuda_mps and options.llm.model.device == "cpu":
+        p.error("--cuda-mps: not with --device cpu (MPS shares a GPU)")
     if options.variants:
+        if options.cuda_mps:
+            p.error("--cuda-mps: not with --variants yet (one daemon per GPU, shared by every worker)")
         if options.gateway.http.port >= 0:
             p.error("--http-port: not with --variants yet (Envoy routes gRPC only); use a worker's gateway")
         try:

