@@ -10,12 +10,16 @@ bench's rates run one after another on one mesh); each segment gets one row:
 - decode-only steps: count, mean batch, step p50; steps with prompt rows: count, prompts and
   rows per step, step p50 and p99.
 
-    python -m bench.step_trace PATH [--pause 1.0]
+With `--detail`, each segment also gets step p50 by decode batch, for decode-only steps and for
+steps of one prompt with decodes riding (what a riding decode costs a prompt step).
+
+    python -m bench.step_trace PATH[.gz] [--pause 1.0] [--detail]
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 from pathlib import Path
@@ -84,6 +88,25 @@ COLUMNS = (
 )
 
 
+BANDS = ((1, 4), (5, 8), (9, 12), (13, 16), (17, 24), (25, 32), (33, 10**6))
+
+
+def detail(seg: list[dict]) -> str:
+    """Step p50 (and count) by decode batch: decode-only steps, and one-prompt steps with decodes riding."""
+    lines = []
+    for title, keep in (
+        ("decode-only", lambda r: not r["prompts"]),
+        ("one prompt + riding", lambda r: r["prompts"] == 1),
+    ):
+        cells = []
+        for lo, hi in BANDS:
+            ms = [r["run_ms"] for r in seg if keep(r) and lo <= r["decodes"] <= hi]
+            if ms:
+                cells.append(f"{lo}-{hi if hi < 10**6 else '':}: {quantile(ms, 0.5):.2f} (n {len(ms)})")
+        lines.append(f"  {title}, by decodes: " + ", ".join(cells))
+    return "\n".join(lines)
+
+
 def table(summaries: list[dict[str, float]]) -> str:
     lines = ["  ".join(f"{title:>9}" for _, title, _ in COLUMNS)]
     for s in summaries:
@@ -95,14 +118,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.step_trace", description=__doc__.split("\n\n")[0])
     parser.add_argument("path", type=Path, help="the engine's --step-trace file")
     parser.add_argument("--pause", type=float, default=1.0, help="seconds without a step that end a segment")
+    parser.add_argument("--detail", action="store_true", help="step p50 by decode batch, per segment")
     parser.add_argument("--min-steps", type=int, default=50, help="leave out shorter segments (warm-ups)")
     args = parser.parse_args(argv)
-    rows = [json.loads(line) for line in args.path.read_text().splitlines() if line.strip()]
+    opener = gzip.open if args.path.suffix == ".gz" else open
+    with opener(args.path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
     if not rows:
         parser.error(f"{args.path}: no steps recorded")
     segs = [s for s in segments(rows, args.pause) if len(s) >= args.min_steps]
     print(f"{len(rows)} steps; {len(segs)} segments of >= {args.min_steps} steps (ms unless named)")
     print(table([summary(s) for s in segs]))
+    if args.detail:
+        for i, seg in enumerate(segs, 1):
+            print(f"segment {i}:\n{detail(seg)}")
     return 0
 
 

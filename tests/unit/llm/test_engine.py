@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -251,8 +252,13 @@ def test_step_trace_records_every_step(tiny_model, tmp_path):
     # Each request's first token comes from its last chunk, the other five from decode rows.
     assert sum(r["decodes"] for r in rows) == 3 * 5
     assert all(r["run_ms"] > 0 and r["gap_ms"] >= 0 and r["post_ms"] >= 0 for r in rows)
+    packed = tmp_path / "steps.jsonl.gz"
+    packed.write_bytes(gzip.compress(trace.read_bytes()))
     summary = subprocess.run(
-        [sys.executable, "-m", "bench.step_trace", str(trace), "--min-steps", "1"], capture_output=True, text=True
+        [sys.executable, "-m", "bench.step_trace", str(packed), "--min-steps", "1", "--detail"],
+        capture_output=True,
+        text=True,
     )
     assert summary.returncode == 0, summary.stderr
     assert summary.stdout.startswith(f"{len(rows)} steps; 1 segments")
+    assert "one prompt + riding, by decodes:" in summary.stdout
