@@ -8,10 +8,14 @@ bench's rates run one after another on one mesh); each segment gets one row:
 - host time per step, p50 and p99: `gap` (scheduling, before the launch) and `post`
   (postprocess, after the sync): the device idles through both;
 - decode-only steps: count, mean batch, step p50; steps with prompt rows: count, prompts and
-  rows per step, step p50 and p99.
+  rows per step, step p50 and p99;
+- on CUDA, each step split in three, p50 over all steps: `stage` (host staging before the step's
+  first device work), `device` (the device's span) and `wake` (the device's end to the engine
+  thread's return: time the host lost after the device finished).
 
-With `--detail`, each segment also gets step p50 by decode batch, for decode-only steps and for
-steps of one prompt with decodes riding (what a riding decode costs a prompt step).
+With `--detail`, each segment also gets step p50 (and the device's part, on CUDA) by decode
+batch, for decode-only steps and for steps of one prompt with decodes riding (what a riding
+decode costs a prompt step).
 
     python -m bench.step_trace PATH[.gz] [--pause 1.0] [--detail]
 """
@@ -23,6 +27,8 @@ import gzip
 import json
 import statistics
 from pathlib import Path
+
+PARTS = ("stage", "device", "wake")  # a CUDA step's run time, split (services/llm/step_trace.py)
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -65,6 +71,7 @@ def summary(seg: list[dict]) -> dict[str, float]:
         "riding": mean([r["decodes"] for r in mixed]),
         "prompt_p50": quantile([r["run_ms"] for r in mixed], 0.5),
         "prompt_p99": quantile([r["run_ms"] for r in mixed], 0.99),
+        **{f"{part}_p50": quantile([r[f"{part}_ms"] for r in seg if f"{part}_ms" in r], 0.5) for part in PARTS},
     }
 
 
@@ -85,6 +92,9 @@ COLUMNS = (
     ("riding", "riding", ".1f"),
     ("prompt_p50", "pf p50", ".2f"),
     ("prompt_p99", "p99", ".2f"),
+    ("stage_p50", "stage p50", ".2f"),
+    ("device_p50", "device p50", ".2f"),
+    ("wake_p50", "wake p50", ".2f"),
 )
 
 
@@ -100,9 +110,12 @@ def detail(seg: list[dict]) -> str:
     ):
         cells = []
         for lo, hi in BANDS:
-            ms = [r["run_ms"] for r in seg if keep(r) and lo <= r["decodes"] <= hi]
-            if ms:
-                cells.append(f"{lo}-{hi if hi < 10**6 else '':}: {quantile(ms, 0.5):.2f} (n {len(ms)})")
+            band = [r for r in seg if keep(r) and lo <= r["decodes"] <= hi]
+            if band:
+                run = quantile([r["run_ms"] for r in band], 0.5)
+                device = [r["device_ms"] for r in band if "device_ms" in r]
+                on_device = f", device {quantile(device, 0.5):.2f}" if device else ""
+                cells.append(f"{lo}-{hi if hi < 10**6 else '':}: {run:.2f}{on_device} (n {len(band)})")
         lines.append(f"  {title}, by decodes: " + ", ".join(cells))
     return "\n".join(lines)
 

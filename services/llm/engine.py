@@ -59,6 +59,8 @@ class NativeEngine:
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self.eos = set(runner.spec.text.eos_token_ids)
         self._trace = StepTrace(step_trace) if step_trace else None
+        if self._trace:
+            runner.fetch.timed = True  # each step's device span, for the trace
         sched = self.scheduler
         KV_SLOTS.labels("used").set_function(lambda: len(sched.running))
         KV_SLOTS.labels("free").set_function(lambda: sched.free_places)
@@ -177,7 +179,11 @@ class NativeEngine:
         self._postprocess(completed + decodes, tokens)
         if self._trace:
             rows = sum(c.end - c.start for c in chunks)
-            self._trace.record(launched, done, time.perf_counter(), rows, len(chunks), len(decodes))
+            fetch = self.runner.fetch
+            device = fetch.device_ms()
+            self._trace.record(
+                launched, done, time.perf_counter(), rows, len(chunks), len(decodes), fetch.marked_at, device
+            )
 
     def _leases_hold(self, req: Request, start: int) -> bool:
         """Verify the leases of features read from position `start` on; a lost lease fails the request."""

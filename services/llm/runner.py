@@ -22,6 +22,7 @@ import torch
 
 from services.llm.attention import FlexDecode, GatherDecode, Span, prefill_attention, prefill_in, prefill_out
 from services.llm.decode import DecodeStep, ban_eos
+from services.llm.fetch import TokenFetch
 from services.llm.kv_cache import KvConfig, PagedKvCache, pool_pages, pool_slots
 from services.llm.packed import PackedStep, fixed_words
 from services.llm.request import Request
@@ -86,8 +87,7 @@ class ModelRunner:
         self._tok, self._pos, tab, self._ban = (host for host, _ in views)
         self._tab = tab.reshape(b, p)
         tok, pos, tables, ban = (dev for _, dev in views)
-        self._tokens_host = torch.zeros(max_batch, dtype=torch.int64, pin_memory=cuda)
-        self._tokens_ready = torch.cuda.Event() if cuda else None
+        self.fetch = TokenFetch(max_batch, cuda)  # the step's tokens back: one copy, one sync
         if self.graphs:
             attn = FlexDecode(kv.page_size, t.heads, t.kv_heads, self.n_pages, max_batch, device)
         else:
@@ -138,6 +138,7 @@ class ModelRunner:
         if not greedy:
             temperature = self.staging.floats([r.sampling.temperature for r in sampled])
             top_p = self.staging.floats([r.sampling.top_p for r in sampled])
+        self.fetch.mark()
         self.staging.upload()
         logits, argmax = [], []  # the completing chunks', then the decodes'
         completing = len(sampled) - len(decodes)
@@ -166,21 +167,7 @@ class ModelRunner:
             c.req.computed = c.end
         for r in decodes:
             r.computed += 1
-        return self._fetch(tokens)
-
-    def _fetch(self, tokens: torch.Tensor | None) -> list[int]:
-        """The step's tokens to the host: one copy, one sync."""
-        if tokens is None:
-            if self._tokens_ready is not None:
-                torch.cuda.current_stream().synchronize()  # a step with no token still ends when its work does
-            return []
-        if self._tokens_ready is None:
-            return tokens.tolist()
-        host = self._tokens_host[: tokens.shape[0]]
-        host.copy_(tokens, non_blocking=True)
-        self._tokens_ready.record()
-        self._tokens_ready.synchronize()
-        return host.tolist()
+        return self.fetch.fetch(tokens)
 
     def _run_packed(self, chunks: list[Chunk]) -> None:
         """The staged packed step: embeddings and features into its input rows, then the forward."""

@@ -5,8 +5,11 @@ With `--step-trace PATH` the engine thread appends one JSON line per step: when 
 inbox and scheduling, since the previous step ended or the engine woke); the step itself
 (`run_ms`: launch to the host sync that ends it, so the device time plus its launches); the
 postprocess (`post_ms`: EOS, stop strings, detokenizing, handing outputs to the event loop); and
-what the step carried (`prompts`, `prompt_rows`, `decodes`). `python -m bench.step_trace PATH`
-sums it up.
+what the step carried (`prompts`, `prompt_rows`, `decodes`). On CUDA `run_ms` is split further
+(services/llm/fetch.py): `stage_ms`, the host's staging before the step's first device work;
+`device_ms`, the device's span from that work to the step's end; and `wake_ms`, from the
+device's end to the engine thread's return from the sync (a wait for the GIL shows here).
+`python -m bench.step_trace PATH` sums it up.
 
 Lines are buffered and written in blocks, so a step pays a list append; the file is flushed
 when the engine stops.
@@ -27,8 +30,19 @@ class StepTrace:
         self._rows: list[str] = []
         self._last_end = time.perf_counter()
 
-    def record(self, launched: float, ran: float, end: float, rows: int, prompts: int, decodes: int) -> None:
-        """One step's clock readings (time.perf_counter) and what it carried."""
+    def record(
+        self,
+        launched: float,
+        ran: float,
+        end: float,
+        rows: int,
+        prompts: int,
+        decodes: int,
+        marked: float = 0.0,
+        device_ms: float | None = None,
+    ) -> None:
+        """One step's clock readings (time.perf_counter) and what it carried; `marked` (the host
+        clock at its first device work) and `device_ms` where the device timed it."""
         row = {
             "t": round(launched, 6),
             "gap_ms": round((launched - self._last_end) * 1e3, 3),
@@ -38,6 +52,10 @@ class StepTrace:
             "prompt_rows": rows,
             "decodes": decodes,
         }
+        if device_ms is not None:
+            row["stage_ms"] = round((marked - launched) * 1e3, 3)
+            row["device_ms"] = round(device_ms, 3)
+            row["wake_ms"] = round((ran - marked) * 1e3 - device_ms, 3)
         self._last_end = end
         self._rows.append(json.dumps(row))
         if len(self._rows) >= FLUSH_EVERY:

@@ -104,3 +104,25 @@ def test_mesh_on_gpu_matches_transformers(tiny_model):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         channel.close()
         assert image_bytes(1)  # the fixture helpers import on the GPU host too
+
+
+def test_token_fetch_times_the_device_span_and_returns_the_tokens():
+    """--step-trace's split of a CUDA step: the device span covers the work queued after mark()."""
+    import time
+
+    from services.llm.fetch import TokenFetch
+
+    fetch = TokenFetch(4, cuda=True)
+    fetch.timed = True
+    a = torch.randn(4096, 4096, device="cuda")
+    fetch.mark()
+    for _ in range(20):  # some milliseconds of device work
+        a = a @ a / 64.0
+    tokens = a[:3, 0].long()
+    got = fetch.fetch(tokens)
+    waited = (time.perf_counter() - fetch.marked_at) * 1e3
+    device = fetch.device_ms()
+    assert got == tokens.tolist()
+    assert 0 < device <= waited + 0.5  # the span ended before the host returned from the sync
+    assert fetch.device_ms() is None  # read once per step
+    assert TokenFetch(2, cuda=True).fetch(None) == []  # no token: still ends with its work

@@ -1,0 +1,51 @@
+"""A step's tokens to the host: one copy into pinned memory, one sync.
+
+With `timed` on (the engine's `--step-trace`), it also says where a CUDA step's time went:
+`mark()` records an event as the step's first device work is queued, and the event that ends
+the step closes the span, so `device_ms` is the device's time from the step's first work to its
+last (its kernels, and any wait for another process's kernels on the same GPU). The host clock
+is read at the mark and after the sync, so a trace can split a step into host staging, device
+time, and the wake-up after the device finished (the engine thread waiting for the GIL).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class TokenFetch:
+    def __init__(self, max_batch: int, cuda: bool) -> None:
+        self._host = torch.zeros(max_batch, dtype=torch.int64, pin_memory=cuda)
+        self._done = torch.cuda.Event(enable_timing=True) if cuda else None
+        self._start = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.timed = False
+        self.marked_at = 0.0  # host clock (time.perf_counter) at mark(), when timed
+        self._marked = False
+
+    def mark(self) -> None:
+        """The step's device work starts now (call before its first upload or launch)."""
+        if self.timed:
+            self.marked_at = time.perf_counter()
+            self._marked = self._start is not None
+            if self._marked:
+                self._start.record()
+
+    def fetch(self, tokens: torch.Tensor | None) -> list[int]:
+        """The step's tokens (None: it sampled none, but still ends when its work does)."""
+        if self._done is None:  # CPU: the tensor is already there
+            return [] if tokens is None else tokens.tolist()
+        n = 0 if tokens is None else tokens.shape[0]
+        if n:
+            self._host[:n].copy_(tokens, non_blocking=True)
+        self._done.record()
+        self._done.synchronize()
+        return self._host[:n].tolist()
+
+    def device_ms(self) -> float | None:
+        """The last timed step's device span, mark to end (None on the CPU or when not timed)."""
+        if not self._marked:
+            return None
+        self._marked = False
+        return self._start.elapsed_time(self._done)
