@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 
@@ -175,6 +176,14 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int_in(0), default=0, help="torch threads per service (mesh) or in-process")
     p.add_argument(
+        "--mesh-flags",
+        default="",
+        metavar="FLAGS",
+        help="more `vlmesh up` flags for the mesh the bench starts, as one string, e.g. "
+        "'--switch-interval-ms 0.1 --kv-page-size 64'; the bench's own settings (model, ports, batch sizes, "
+        "prefill budget, ...) win over the same flag here (mesh)",
+    )
+    p.add_argument(
         "--closed-loop",
         type=numbers(int, "a comma list of concurrencies, each >= 1, e.g. 1,4,16", empty=True),
         default="",
@@ -192,9 +201,25 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
         parser.error("argument --tls: only with --target mesh, the mesh it starts itself (not with --gateway)")
     if args.cuda_mps and args.gateway:
         parser.error("argument --cuda-mps: only for the mesh the bench starts itself (not with --gateway)")
+    if args.mesh_flags:
+        if args.gateway:
+            parser.error("argument --mesh-flags: only for the mesh the bench starts itself (not with --gateway)")
+        check_mesh_flags(parser, args.mesh_flags)
     if "mesh-http" in args.target and args.gateway and not args.gateway_http:
         parser.error("argument --target: mesh-http with --gateway needs --gateway-http URL (the gateway's HTTP door)")
     return args
+
+
+def check_mesh_flags(parser: argparse.ArgumentParser, text: str) -> None:
+    """--mesh-flags must parse as `vlmesh up` flags with valid values (exit 2 naming the problem)."""
+    from services.launcher.options import MeshOptions
+
+    try:
+        MeshOptions.from_flags(shlex.split(text), model="/checked")
+    except SystemExit:  # argparse has said what it does not know
+        parser.error(f"argument --mesh-flags: {text!r} are not flags of vlmesh up (see vlmesh up --help)")
+    except ValueError as err:
+        parser.error(f"argument --mesh-flags: {err}")
 
 
 def config_of(args: argparse.Namespace) -> dict:

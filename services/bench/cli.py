@@ -26,6 +26,7 @@ import contextlib
 import datetime as dt
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -178,6 +179,7 @@ def serve(name: str, args, say, http: bool = False):
 
         mesh = Mesh(
             MeshOptions.from_flags(
+                shlex.split(args.mesh_flags),
                 metrics_ports=(0, 0, 0),
                 model=args.model,
                 gateway_port=0,

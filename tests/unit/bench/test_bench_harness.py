@@ -166,3 +166,22 @@ def test_cache_summary_splits_hits_from_misses_and_bounds_the_hit_ratio():
     text = cache_table([{"target": "mesh", "workload": "W3", "summary": summary}])
     assert "50.0%" in text and "0.30" in text  # the hit/miss TTFT ratio
     assert cache_table([{"target": "mesh", "workload": "W1", "summary": {**summary, "cache": {}}}]) == ""
+
+
+def test_mesh_flags_are_checked_as_vlmesh_up_flags_before_anything_starts(capsys):
+    from services.bench.args import build_parser, parse_args
+
+    parser = build_parser("bench")
+    args = parse_args(parser, ["--model", "m", "--mesh-flags", "--switch-interval-ms 0.1 --kv-page-size 64"])
+    assert args.mesh_flags == "--switch-interval-ms 0.1 --kv-page-size 64"
+    for flags, said in (
+        ("--no-such-flag 1", "are not flags of vlmesh up"),
+        ("--max-vision-batch 0", "--max-vision-batch 0 must be >= 1"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(parser, ["--model", "m", "--mesh-flags", flags])
+        assert exit_.value.code == 2
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(parser, ["--model", "m", "--gateway", "h:1", "--mesh-flags", "--kv-page-size 64"])
+    assert "not with --gateway" in capsys.readouterr().err
