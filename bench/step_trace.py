@@ -10,8 +10,8 @@ bench's rates run one after another on one mesh); each segment gets one row:
 - decode-only steps: count, mean batch, step p50; steps with prompt rows: count, prompts and
   rows per step, step p50 and p99;
 - on CUDA, each step split in three, p50 over all steps: `stage` (host staging before the step's
-  first device work), `device` (the device's span) and `wake` (the device's end to the engine
-  thread's return: time the host lost after the device finished).
+  first device work), `device` (the device's span) and `wake` (the rest: the device starting
+  the step late, and the engine thread's wake-up after the sync).
 
 With `--detail`, each segment also gets step p50 (and the device's part, on CUDA) by decode
 batch, for decode-only steps and for steps of one prompt with decodes riding (what a riding

@@ -5,7 +5,8 @@ With `timed` on (the engine's `--step-trace`), it also says where a CUDA step's 
 the step closes the span, so `device_ms` is the device's time from the step's first work to its
 last (its kernels, and any wait for another process's kernels on the same GPU). The host clock
 is read at the mark and after the sync, so a trace can split a step into host staging, device
-time, and the wake-up after the device finished (the engine thread waiting for the GIL).
+time, and the rest: the device starting late (another process's turn on a time-sliced GPU) and
+the engine thread's wake-up after the sync (a wait for the GIL).
 """
 
 from __future__ import annotations

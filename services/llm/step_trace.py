@@ -7,8 +7,9 @@ inbox and scheduling, since the previous step ended or the engine woke); the ste
 postprocess (`post_ms`: EOS, stop strings, detokenizing, handing outputs to the event loop); and
 what the step carried (`prompts`, `prompt_rows`, `decodes`). On CUDA `run_ms` is split further
 (services/llm/fetch.py): `stage_ms`, the host's staging before the step's first device work;
-`device_ms`, the device's span from that work to the step's end; and `wake_ms`, from the
-device's end to the engine thread's return from the sync (a wait for the GIL shows here).
+`device_ms`, the device's span from that work to the step's end; and `wake_ms`, the rest: the
+GPU taking the step's first work late (another process's turn on a time-sliced GPU) and the
+engine thread running again after the sync (a wait for the GIL).
 `python -m bench.step_trace PATH` sums it up.
 
 Lines are buffered and written in blocks, so a step pays a list append; the file is flushed
