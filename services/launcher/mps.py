@@ -7,7 +7,9 @@ the vision stage p50 7.7 against 12.9 ms (docs/PERF.md).
 
 The launcher starts a control daemon of its own, with its pipe and log directories in the run
 directory, so it neither needs nor touches a system-wide one; the children find it through
-CUDA_MPS_PIPE_DIRECTORY, and it is told to quit once they have stopped. The trade-off is
+CUDA_MPS_PIPE_DIRECTORY, and it is told to quit once they have stopped. A launcher killed with
+SIGKILL leaves its daemon running: `echo quit | CUDA_MPS_PIPE_DIRECTORY=DIR nvidia-cuda-mps-control`
+with the pipe directory it printed at start. The trade-off is
 isolation: an MPS server's clients share the GPU's fault domain, so a fatal GPU fault in one
 (an illegal address) ends the other's work on that GPU too, where without MPS only the faulting
 process fails. In Kubernetes, NVIDIA's device plugin shares a GPU through MPS itself
