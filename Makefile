@@ -64,7 +64,7 @@ REQUIRE_OBSERVABILITY ?= $(if $(CI),1,0)
 test: $(STAMP) $(VLLM_STAMP) $(PHOENIX_STAMP) prometheus-tools
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
-	REQUIRE_OBSERVABILITY=$(REQUIRE_OBSERVABILITY) REQUIRE_VLLM=1 $(PY) -m pytest -q tests
+	REQUIRE_OBSERVABILITY=$(REQUIRE_OBSERVABILITY) REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=12 tests
 
 # On the GPU machine: its python already has torch with CUDA; missing wheels are carried.
 test-gpu:
