@@ -28,14 +28,9 @@ import json
 import statistics
 from pathlib import Path
 
+from services.bench.stats import percentile
+
 PARTS = ("stage", "device", "wake")  # a CUDA step's run time, split (services/llm/step_trace.py)
-
-
-def quantile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def segments(rows: list[dict], pause_s: float) -> list[list[dict]]:
@@ -58,20 +53,20 @@ def summary(seg: list[dict]) -> dict[str, float]:
         "steps": len(seg),
         "steps_per_s": len(seg) / wall if wall > 0 else float("nan"),
         "busy": sum(r["run_ms"] for r in seg) / 1e3 / wall if wall > 0 else float("nan"),
-        "gap_p50": quantile([r["gap_ms"] for r in seg], 0.5),
-        "gap_p99": quantile([r["gap_ms"] for r in seg], 0.99),
-        "post_p50": quantile([r["post_ms"] for r in seg], 0.5),
-        "post_p99": quantile([r["post_ms"] for r in seg], 0.99),
+        "gap_p50": percentile([r["gap_ms"] for r in seg], 50),
+        "gap_p99": percentile([r["gap_ms"] for r in seg], 99),
+        "post_p50": percentile([r["post_ms"] for r in seg], 50),
+        "post_p99": percentile([r["post_ms"] for r in seg], 99),
         "decode_steps": len(pure),
         "decode_batch": mean([r["decodes"] for r in pure]),
-        "decode_p50": quantile([r["run_ms"] for r in pure], 0.5),
+        "decode_p50": percentile([r["run_ms"] for r in pure], 50),
         "prompt_steps": len(mixed),
         "prompts_per_step": mean([r["prompts"] for r in mixed]),
         "rows_per_step": mean([r["prompt_rows"] for r in mixed]),
         "riding": mean([r["decodes"] for r in mixed]),
-        "prompt_p50": quantile([r["run_ms"] for r in mixed], 0.5),
-        "prompt_p99": quantile([r["run_ms"] for r in mixed], 0.99),
-        **{f"{part}_p50": quantile([r[f"{part}_ms"] for r in seg if f"{part}_ms" in r], 0.5) for part in PARTS},
+        "prompt_p50": percentile([r["run_ms"] for r in mixed], 50),
+        "prompt_p99": percentile([r["run_ms"] for r in mixed], 99),
+        **{f"{part}_p50": percentile([r[f"{part}_ms"] for r in seg if f"{part}_ms" in r], 50) for part in PARTS},
     }
 
 
@@ -112,9 +107,9 @@ def detail(seg: list[dict]) -> str:
         for lo, hi in BANDS:
             band = [r for r in seg if keep(r) and lo <= r["decodes"] <= hi]
             if band:
-                run = quantile([r["run_ms"] for r in band], 0.5)
+                run = percentile([r["run_ms"] for r in band], 50)
                 device = [r["device_ms"] for r in band if "device_ms" in r]
-                on_device = f", device {quantile(device, 0.5):.2f}" if device else ""
+                on_device = f", device {percentile(device, 50):.2f}" if device else ""
                 cells.append(f"{lo}-{hi if hi < 10**6 else '':}: {run:.2f}{on_device} (n {len(band)})")
         lines.append(f"  {title}, by decodes: " + ", ".join(cells))
     return "\n".join(lines)
