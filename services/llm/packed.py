@@ -183,7 +183,7 @@ class PackedStep:
             self._decode_len = max(r.computed for r in decodes) + 1
         h["last"][: len(last)], h["last"][len(last) :] = last, 0
         h["ban"][: len(ban)], h["ban"][len(ban) :] = ban, 0
-        stage_blocks(h, reqs, positions, seqs, rows, page)
+        stage_blocks(h, reqs, positions, [len(p) for p in pos], rows, page)
         self.rows, self.decode_rows = rows, d
         return True
 

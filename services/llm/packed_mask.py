@@ -20,6 +20,8 @@ range and attends to nothing.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -78,24 +80,36 @@ def stage_pages(host: dict[str, np.ndarray], reqs: list[Request]) -> np.ndarray 
 
 
 def stage_blocks(
-    host: dict[str, np.ndarray], reqs: list[Request], positions: np.ndarray, seqs: np.ndarray, rows: int, page: int
+    host: dict[str, np.ndarray], reqs: list[Request], positions: np.ndarray, lengths: list[int], rows: int, page: int
 ) -> None:
-    """Each query block's pages, partial and full, for rows whose positions and sequences are given."""
+    """Each query block's pages, partial and full, for the chunks' rows (`lengths` [chunks] of
+    them, in order, at `positions`; padding after them up to `rows`).
+
+    Plain integers, no numpy per block: a chunk's rows are consecutive and its positions
+    increase, so a block's last row of each chunk gives that chunk's top page.
+    """
+    ends = list(itertools.accumulate(lengths))  # each chunk's end row
+    n, c = ends[-1] if ends else 0, 0  # c: the chunk of the block's first row
     for b in range(rows // Q_BLOCK):
-        lo, hi = b * Q_BLOCK, min((b + 1) * Q_BLOCK, len(positions))
+        lo, hi = b * Q_BLOCK, min((b + 1) * Q_BLOCK, n)
         partial, full = [], []
         if lo < hi:
-            block_seqs = seqs[lo:hi]
-            one = hi - lo == Q_BLOCK and block_seqs[0] == block_seqs[-1]  # one sequence, no padding
-            first = int(positions[lo:hi].min())
+            while ends[c] <= lo:
+                c += 1
+            one = hi - lo == Q_BLOCK and ends[c] >= hi  # one chunk's rows, no padding
+            first = int(positions[lo])
             seen: set[int] = set()
-            for s in np.unique(block_seqs):
-                top = int(positions[lo:hi][block_seqs == s].max()) // page
+            s = c
+            while True:
+                top = int(positions[min(hi, ends[s]) - 1]) // page
                 for lp, p in enumerate(reqs[s].blocks[: top + 1]):
-                    if p in seen:
+                    if p in seen:  # a prefix page another chunk of this block listed
                         continue
                     seen.add(p)
                     (full if one and (lp + 1) * page - 1 <= first else partial).append(p)
+                if ends[s] >= hi:
+                    break
+                s += 1
         host["kv_num"][b], host["full_num"][b] = len(partial), len(full)
         host["kv_idx"][b, : len(partial)] = partial
         host["full_idx"][b, : len(full)] = full
