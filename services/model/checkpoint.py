@@ -79,9 +79,12 @@ def _load(module: nn.Module, model_dir: Path, part: str, device: torch.device, d
 
 
 def load_vision_tower(spec: LlavaSpec, device: torch.device, dtype: torch.dtype) -> VisionTower:
+    """The ViT and projector's weights, q/k/v fused as its forward needs."""
     with torch.device("meta"):
         tower = VisionTower(spec)
-    return _load(tower, spec.model_dir, "vision", device, dtype)  # type: ignore[return-value]
+    tower = _load(tower, spec.model_dir, "vision", device, dtype)
+    tower.fuse_projections()
+    return tower  # type: ignore[return-value]
 
 
 def load_decoder(spec: LlavaSpec, device: torch.device, dtype: torch.dtype, fuse: bool = True) -> LlamaDecoder:

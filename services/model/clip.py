@@ -1,16 +1,22 @@
 """CLIP vision transformer and the LLaVA projector, in plain PyTorch.
 
-Module names mirror the Hugging Face checkpoint so state dicts load by name.
+Module names mirror the Hugging Face checkpoint so state dicts load by name; the loader then
+fuses each layer's q/k/v into one projection (`fuse_projections`), which the forward needs.
+`forward` takes the function that runs a layer, so the vision service can compile one
+(services/vision/graphs.py) while the layers stay plain modules.
 Shapes: B images, P = patches (+1 CLS), D = vision width, H = text width.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from services.model.fuse import fuse_linears
 from services.model.spec import LlavaSpec, VisionSpec
 
 
@@ -38,12 +44,14 @@ class VisionAttention(nn.Module):
         self.v_proj = nn.Linear(s.hidden, s.hidden)
         self.out_proj = nn.Linear(s.hidden, s.hidden)
 
+    def fuse(self) -> None:
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, p, d = x.shape
-        # [B, P, D] -> [B, heads, P, D/heads]
-        q, k, v = (
-            proj(x).view(b, p, self.heads, -1).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj)
-        )
+        # [B, P, 3D] -> 3 x [B, heads, P, D/heads]
+        q, k, v = self.qkv_proj(x).view(b, p, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
         out = F.scaled_dot_product_attention(q, k, v)
         return self.out_proj(out.transpose(1, 2).reshape(b, p, d))
 
@@ -70,6 +78,14 @@ class VisionLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))
         return x + self.mlp(self.layer_norm2(x))
+
+
+def run_layer(layer: VisionLayer, x: torch.Tensor) -> torch.Tensor:
+    """One ViT layer, x [B, P, D] -> [B, P, D] (a function, to compile once for every layer)."""
+    return layer(x)
+
+
+LayerFn = Callable[[VisionLayer, torch.Tensor], torch.Tensor]
 
 
 class VisionEncoder(nn.Module):
@@ -103,10 +119,16 @@ class VisionTower(nn.Module):
         self.encoder = VisionEncoder(s)
         self.multi_modal_projector = Projector(spec)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Concatenate each layer's q/k/v weights (after loading: checkpoints keep them apart)."""
+        for layer in self.encoder.layers:
+            layer.self_attn.fuse()
+
+    def forward(self, pixels: torch.Tensor, run_layer: LayerFn = run_layer) -> torch.Tensor:
         x = self.pre_layrnorm(self.embeddings(pixels))  # [B, P, D]
         for layer in self.encoder.layers:
-            x = layer(x)
+            x = run_layer(layer, x)
         if not self.keep_cls:
             x = x[:, 1:]
         return self.multi_modal_projector(x)  # [B, image_tokens, H]

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.model.fuse import fuse_linears
 from services.model.spec import LlavaSpec, TextSpec
 
 
@@ -62,13 +63,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + torch.cat([-x2, x1], dim=-1) * sin[:, None]
 
 
-def _fuse(*linears: nn.Linear) -> nn.Linear:
-    w = torch.cat([lin.weight for lin in linears])
-    fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
-    fused.weight = nn.Parameter(w, requires_grad=False)
-    return fused
-
-
 class Attention(nn.Module):
     def __init__(self, t: TextSpec) -> None:
         super().__init__()
@@ -79,7 +73,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(t.heads * t.head_dim, t.hidden, bias=False)
 
     def fuse(self) -> None:
-        self.qkv_proj = _fuse(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -100,7 +94,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(t.intermediate, t.hidden, bias=False)
 
     def fuse(self) -> None:
-        self.gate_up_proj = _fuse(self.gate_proj, self.up_proj)
+        self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
