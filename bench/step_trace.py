@@ -15,7 +15,8 @@ bench's rates run one after another on one mesh); each segment gets one row:
 
 With `--detail`, each segment also gets step p50 (and the device's part, on CUDA) by decode
 batch, for decode-only steps and for steps of one prompt with decodes riding (what a riding
-decode costs a prompt step).
+decode costs a prompt step), and on CUDA the split's p50 for each of the two kinds (the host
+staging of a prompt step is several times a decode step's, and the p50 over all steps hides it).
 
     python -m bench.step_trace PATH[.gz] [--pause 1.0] [--detail]
 """
@@ -112,6 +113,14 @@ def detail(seg: list[dict]) -> str:
                 on_device = f", device {percentile(device, 50):.2f}" if device else ""
                 cells.append(f"{lo}-{hi if hi < 10**6 else '':}: {run:.2f}{on_device} (n {len(band)})")
         lines.append(f"  {title}, by decodes: " + ", ".join(cells))
+    for title, kind in (
+        ("decode-only", [r for r in seg if not r["prompts"]]),
+        ("prompt", [r for r in seg if r["prompts"]]),
+    ):
+        timed = [r for r in kind if "device_ms" in r]
+        if timed:
+            split = ", ".join(f"{part} {percentile([r[f'{part}_ms'] for r in timed], 50):.2f}" for part in PARTS)
+            lines.append(f"  {title} steps, split p50: {split} (n {len(timed)})")
     return "\n".join(lines)
 
 

@@ -262,3 +262,23 @@ def test_step_trace_records_every_step(tiny_model, tmp_path):
     assert summary.returncode == 0, summary.stderr
     assert summary.stdout.startswith(f"{len(rows)} steps; 1 segments")
     assert "one prompt + riding, by decodes:" in summary.stdout
+    assert "split p50" not in summary.stdout  # the CPU times no device span
+    # A CUDA trace's rows carry the split: --detail gives its p50 per kind of step.
+    cuda = tmp_path / "cuda.jsonl"
+    split = {"decode": (0.1, 5.0, 0.2), "prompt": (0.9, 16.0, 0.3)}
+    lines = []
+    for i in range(20):
+        kind = "prompt" if i % 4 == 0 else "decode"
+        stage, device, wake = split[kind]
+        row = {"t": i * 0.01, "gap_ms": 0.1, "run_ms": stage + device + wake, "post_ms": 0.1, "decodes": 2}
+        row |= {"prompts": int(kind == "prompt"), "prompt_rows": 600 * (kind == "prompt")}
+        lines.append(json.dumps(row | {"stage_ms": stage, "device_ms": device, "wake_ms": wake}))
+    cuda.write_text("\n".join(lines) + "\n")
+    summary = subprocess.run(
+        [sys.executable, "-m", "bench.step_trace", str(cuda), "--min-steps", "1", "--detail"],
+        capture_output=True,
+        text=True,
+    )
+    assert summary.returncode == 0, summary.stderr
+    assert "decode-only steps, split p50: stage 0.10, device 5.00, wake 0.20 (n 15)" in summary.stdout
+    assert "prompt steps, split p50: stage 0.90, device 16.00, wake 0.30 (n 5)" in summary.stdout
