@@ -12,7 +12,10 @@ import torch.nn.functional as F
 
 from services.llm.attention import FlexDecode, GatherDecode, Span, page_slots, prefill_attention, write_kv
 
-PAGE, N_PAGES, H, G, D = 8, 24, 4, 2, 16
+# Head dim 64: on an AVX2-only AMD EPYC host, torch 2.13's compiled CPU flex_attention gives
+# wrong decode outputs at head dim 16 even for a plain create_block_mask mask (64 is right there;
+# 16 passed on earlier CI hosts): a torch bug, not this block mask's. Models' head dims are 64+.
+PAGE, N_PAGES, H, G, D = 8, 24, 4, 2, 64
 
 
 def pool():
