@@ -14,7 +14,8 @@ matmul rate of BENCHMARKS.md); where the runner has the packed step, both ways: 
 forward, graph-captured) and per chunk (the same runner with its packed step set aside).
 
     python -m bench.decode_step [--model preset:llava-7b-shaped] [--quantize none] [--batches 1,8,32]
-        [--context 640] [--steps 50] [--prefill 608] [--mixed 16] [--profile] [--out decode_step.json]
+        [--context 640] [--steps 50] [--prefill 608] [--mixed 16] [--no-skinny-gemv] [--profile]
+        [--out decode_step.json]
 """
 
 from __future__ import annotations
@@ -196,6 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=50, help="timed steps per batch size (default %(default)s)")
     p.add_argument("--prefill", type=int, default=0, help="also time prefills of this many positions (0: no)")
     p.add_argument("--mixed", type=int, default=16, help="decodes beside one prompt in the mixed prefill step")
+    p.add_argument(
+        "--no-skinny-gemv", dest="skinny_gemv", action="store_false", help="the decode step's linears on cuBLAS"
+    )
     p.add_argument("--profile", action="store_true", help="print torch.profiler's kernel tables (decode, prefill)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -206,10 +210,13 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
     max_batch = max(*batches, 3 + args.mixed if args.prefill else 1)  # what the prefill steps sample
-    what = f"{args.dtype}, --quantize {args.quantize}, batches up to {max_batch}"
+    gemv = "skinny" if args.skinny_gemv else "cuBLAS"
+    what = f"{args.dtype}, --quantize {args.quantize}, decode linears on {gemv}, batches up to {max_batch}"
     print(f"building the engine's runner for {spec.model_id} ({what}) ...", flush=True)
     kv = KvConfig(128, 0.0, 0.6)
-    runner = ModelRunner(spec, torch.device("cuda"), dtype, max_batch, kv, 2048, quantize=args.quantize)
+    runner = ModelRunner(
+        spec, torch.device("cuda"), dtype, max_batch, kv, 2048, quantize=args.quantize, skinny_gemv=args.skinny_gemv
+    )
     print(f"ready in {time.perf_counter() - t0:.1f} s (weights, warm-up, compile, graph capture)", flush=True)
     bandwidth = copy_bandwidth()
     results = []
@@ -231,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": spec.model_id,
         "dtype": args.dtype,
         "quantize": args.quantize,
+        "skinny_gemv": args.skinny_gemv,
         "copy_bandwidth_Bps": bandwidth,
         "results": results,
         "prefill": prefills,
@@ -239,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
     gbps = bandwidth / 1e12
-    print(f"\n--quantize {args.quantize}: copy bandwidth {gbps:.2f} TB/s (read + written); context {args.context}")
+    head = f"--quantize {args.quantize}, decode linears on {gemv}"
+    print(f"\n{head}: copy bandwidth {gbps:.2f} TB/s (read + written); context {args.context}")
     print("| batch | bucket | GB read | floor ms | step ms (device) | x floor | step ms (wall) | x floor |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:

@@ -64,6 +64,7 @@ LLM_FLAGS = (
     "prefix_cache",
     "quantize",
     "prefill",
+    "skinny_gemv",
     "enforce_eager",
 )
 GATEWAY_FLAGS = (

@@ -60,20 +60,22 @@ def prefill_out(layer: DecoderLayer, x, o) -> torch.Tensor:
     return layer.attn_out(x, o)
 
 
-def decode_layer(layer: DecoderLayer, x, cos, sin, k_pool, v_pool, slots, attend) -> torch.Tensor:
-    q, k, v = layer.attn_in(x, cos, sin)
+def decode_layer(layer: DecoderLayer, x, cos, sin, k_pool, v_pool, slots, attend, linear=F.linear) -> torch.Tensor:
+    q, k, v = layer.attn_in(x, cos, sin, linear)
     write_kv(k_pool, v_pool, slots, k, v)
-    return layer.attn_out(x, attend(q, k_pool, v_pool))
+    return layer.attn_out(x, attend(q, k_pool, v_pool), linear)
 
 
-def flex_decode_layer(layer: DecoderLayer, x, cos, sin, k_pool, v_pool, slots, mask, gqa: bool) -> torch.Tensor:
+def flex_decode_layer(
+    layer: DecoderLayer, x, cos, sin, k_pool, v_pool, slots, mask, gqa: bool, linear=F.linear
+) -> torch.Tensor:
     """`decode_layer` with flex_attention inline, for torch.compile: one graph per layer call."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    q, k, v = layer.attn_in(x, cos, sin)
+    q, k, v = layer.attn_in(x, cos, sin, linear)
     write_kv(k_pool, v_pool, slots, k, v)
     o = flex_attention(q[:, :, None], k_pool[None], v_pool[None], block_mask=mask, enable_gqa=gqa)
-    return layer.attn_out(x, o[:, :, 0])
+    return layer.attn_out(x, o[:, :, 0], linear)
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -89,8 +91,9 @@ def page_slots(tables: torch.Tensor, positions: torch.Tensor, page_size: int) ->
 
 
 class GatherDecode:
-    def __init__(self, page_size: int, heads: int, kv_heads: int) -> None:
-        self.page_size, self.gqa = page_size, heads != kv_heads
+    def __init__(self, page_size: int, heads: int, kv_heads: int, linear=F.linear) -> None:
+        """`linear`: the layers' projections (F.linear's signature)."""
+        self.page_size, self.gqa, self.linear = page_size, heads != kv_heads, linear
         self._slots = self._mask = None
 
     def prepare(self, positions: torch.Tensor, tables: torch.Tensor, max_len: int) -> None:
@@ -107,14 +110,23 @@ class GatherDecode:
         return out[:, :, 0]
 
     def run_layer(self, layer: DecoderLayer, x, cos, sin, k_pool, v_pool, slots) -> torch.Tensor:
-        return decode_layer(layer, x, cos, sin, k_pool, v_pool, slots, self)
+        return decode_layer(layer, x, cos, sin, k_pool, v_pool, slots, self, self.linear)
 
 
 class FlexDecode:
     def __init__(
-        self, page_size: int, heads: int, kv_heads: int, n_pages: int, max_batch: int, device, fuse_layer: bool = True
+        self,
+        page_size: int,
+        heads: int,
+        kv_heads: int,
+        n_pages: int,
+        max_batch: int,
+        device,
+        fuse_layer: bool = True,
+        linear=F.linear,
     ) -> None:
         """`fuse_layer`: compile each layer whole around flex (CUDA); else only flex is compiled.
+        `linear`: the layers' projections (F.linear's signature; services/model/gemv.py's on CUDA).
 
         Inductor's CPU flex template cannot take the query as a view of the RoPE's output
         (torch 2.13), so the CPU tests of this path compile flex alone.
@@ -125,7 +137,7 @@ class FlexDecode:
         # RoPE, residuals and SiLU between the matmuls.
         self._layer = torch.compile(flex_decode_layer, dynamic=False) if fuse_layer else None
         self._flex = None  # attention alone (__call__), compiled on first use
-        self.page_size, self.gqa, self.n_pages = page_size, heads != kv_heads, n_pages
+        self.page_size, self.gqa, self.n_pages, self.linear = page_size, heads != kv_heads, n_pages, linear
         i32 = {"dtype": torch.int32, "device": device}
         # Block-mask tensors for the largest batch; a batch of b uses rows [:b]. The index
         # rows span the whole pool, as flex requires; only their first entries are read.
@@ -173,8 +185,9 @@ class FlexDecode:
 
     def run_layer(self, layer: DecoderLayer, x, cos, sin, k_pool, v_pool, slots) -> torch.Tensor:
         if self._layer is None:
-            return decode_layer(layer, x, cos, sin, k_pool, v_pool, slots, self)
-        return self._layer(layer, x, cos, sin, k_pool, v_pool, slots, self._masks[x.shape[0]], self.gqa)
+            return decode_layer(layer, x, cos, sin, k_pool, v_pool, slots, self, self.linear)
+        mask = self._masks[x.shape[0]]
+        return self._layer(layer, x, cos, sin, k_pool, v_pool, slots, mask, self.gqa, self.linear)
 
 
 @dataclass(frozen=True)

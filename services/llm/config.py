@@ -82,6 +82,13 @@ class NativeEngineConfig:
         "step; the reference), or auto: packed where CUDA graphs run, chunks elsewhere "
         "(default %(default)s)",
     )
+    skinny_gemv: bool = flag(
+        "--skinny-gemv",
+        default=True,
+        help="on CUDA, the decode step's linears (up to 16 sequences) run as one Triton kernel that reads "
+        "each weight once, without cuBLAS's split-K (services/model/gemv.py); --no-skinny-gemv keeps "
+        "cuBLAS there (default %(default)s)",
+    )
     enforce_eager: bool = flag(
         "--enforce-eager",
         default=False,

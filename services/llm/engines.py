@@ -50,7 +50,16 @@ def build_native(
     kv = KvConfig(cfg.page_size(device.type), cfg.kv_cache_gib, cfg.gpu_memory_utilization)
     packed = None if cfg.prefill == "auto" else cfg.prefill == "packed"
     runner = ModelRunner(
-        prompts.spec, device, dtype, max_batch, kv, cfg.max_prefill_tokens, cfg.enforce_eager, cfg.quantize, packed
+        prompts.spec,
+        device,
+        dtype,
+        max_batch,
+        kv,
+        cfg.max_prefill_tokens,
+        cfg.enforce_eager,
+        cfg.quantize,
+        packed,
+        cfg.skinny_gemv,
     )
     return NativeEngine(
         runner, max_batch, prompts, default_max_tokens, cfg.max_prefill_tokens, cfg.prefix_cache, cfg.step_trace

@@ -19,6 +19,7 @@ import logging
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from services.llm.attention import FlexDecode, GatherDecode, Span, prefill_attention, prefill_in, prefill_out
 from services.llm.decode import DecodeStep, ban_eos
@@ -29,6 +30,7 @@ from services.llm.request import Request
 from services.llm.sampler import new_generator, sample
 from services.llm.scheduler import Chunk
 from services.llm.staging import Staging
+from services.model import gemv
 from services.model.checkpoint import load_decoder
 from services.model.llama import rope_tables
 from services.model.quantize import quantize_decoder
@@ -49,9 +51,11 @@ class ModelRunner:
         enforce_eager: bool = False,
         quantize: str = "none",
         packed: bool | None = None,
+        skinny_gemv: bool = True,
     ) -> None:
         """`packed`: run prefill steps as one packed forward (services/llm/packed.py); by default
-        where CUDA graphs are on. Off, a prefill runs per chunk, eagerly (the reference)."""
+        where CUDA graphs are on. Off, a prefill runs per chunk, eagerly (the reference).
+        `skinny_gemv`: the decode step's linears through services/model/gemv.py (else F.linear)."""
         self.spec, self.device, self.dtype = spec, device, dtype
         t = spec.text
         self.max_context, self.max_batch = t.max_context, max_batch
@@ -88,10 +92,11 @@ class ModelRunner:
         self._tab = tab.reshape(b, p)
         tok, pos, tables, ban = (dev for _, dev in views)
         self.fetch = TokenFetch(max_batch, cuda)  # the step's tokens back: one copy, one sync
+        linear = gemv.linear if skinny_gemv else F.linear
         if self.graphs:
-            attn = FlexDecode(kv.page_size, t.heads, t.kv_heads, self.n_pages, max_batch, device)
+            attn = FlexDecode(kv.page_size, t.heads, t.kv_heads, self.n_pages, max_batch, device, linear=linear)
         else:
-            attn = GatherDecode(kv.page_size, t.heads, t.kv_heads)
+            attn = GatherDecode(kv.page_size, t.heads, t.kv_heads, linear=linear)
         inputs = (tok, pos, tables.view(b, p), ban)
         self.decode = DecodeStep(self.model, self.kv, attn, self.rope, inputs, self.eos, max_batch)
         self.packed = None

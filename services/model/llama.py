@@ -76,10 +76,12 @@ class Attention(nn.Module):
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linear=F.linear):
         """x [N, H] -> q [N, h, d], k [N, g, d] (both rotated), v [N, g, d]."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.g * self.d, self.g * self.d], dim=-1)
+        q, k, v = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(
+            [self.h * self.d, self.g * self.d, self.g * self.d], dim=-1
+        )
         q = apply_rope(q.view(n, self.h, self.d), cos, sin)
         k = apply_rope(k.view(n, self.g, self.d), cos, sin)
         return q, k, v.view(n, self.g, self.d)
@@ -97,9 +99,9 @@ class MLP(nn.Module):
         self.gate_up_proj = fuse_linears(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, linear=F.linear) -> torch.Tensor:
+        gate, up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).split(self.intermediate, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -110,14 +112,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(t.hidden, t.eps)
         self.mlp = MLP(t)
 
-    def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """The residual stream x [N, H] -> q, k, v for this layer's attention."""
-        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+    def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linear=F.linear):
+        """The residual stream x [N, H] -> q, k, v for this layer's attention.
 
-    def attn_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        `linear` computes the projections, F.linear's signature (the decode step passes
+        services/model/gemv.py's)."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin, linear)
+
+    def attn_out(self, x: torch.Tensor, o: torch.Tensor, linear=F.linear) -> torch.Tensor:
         """x [N, H] and the attention output o [N, h, d] -> the layer's output [N, H]."""
-        x = x + self.self_attn.o_proj(o.flatten(1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        o_proj = self.self_attn.o_proj
+        x = x + linear(o.flatten(1), o_proj.weight, o_proj.bias)
+        return x + self.mlp(self.post_attention_layernorm(x), linear)
 
 
 class LlamaDecoder(nn.Module):

@@ -103,6 +103,7 @@ CUSTOM = {
             quantize="int8",
             prefill="packed",
             prefix_cache=False,
+            skinny_gemv=False,
             step_trace="/tmp/steps.jsonl",
         ),
     ),

@@ -1,0 +1,119 @@
+"""The batch-1 decode step's matmuls: y = x W^T for one row x, in one Triton kernel that reads W
+once, front to back, with no split over K.
+
+A decode step reads every weight once, so its linears are bound by memory bandwidth. At one row
+cuBLAS picks split-K kernels for the narrow projections of the 7B-shaped preset (o and down:
+3.1 and 3.7 TB/s on the H200, each followed by a reduce kernel) and reaches 3.9-4.0 TB/s on
+the wide ones. Here each program owns `block_n` rows of W and streams them whole, keeping
+partial products per column and summing them once at the end: one pass, nothing to reduce
+after it. In the step that is 105 us a layer for the four projections against cuBLAS's 110
+(docs/PERF.md).
+
+Only one row: from 2 rows up cuBLAS's tensor-core kernels stay. A 16-row-tile variant of this
+kernel was 8-15% faster than cuBLAS timed alone, but slower inside the decode step (119 us a
+layer against about 114 at batch 8, not explained yet; docs/PERF.md), so it was dropped.
+
+`linear` is F.linear's drop-in: the kernel where it applies (CUDA, one row, a plain 2-D weight
+of the input's dtype, bf16, fp16 or fp32, no bias), F.linear otherwise (quantized weights,
+the CPU, a batch, a prefill). The decode step passes it to the model's layers
+(services/llm/attention.py). Configs per shape: `python -m bench.gemv` on an H200.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only host: F.linear everywhere
+    triton = None
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Config(NamedTuple):
+    block_n: int  # rows of W per program
+    block_k: int  # columns per load
+    warps: int
+    stages: int
+
+
+def pick(n: int, k: int, element_size: int = 2) -> Config:
+    """The kernel config for W [n, k].
+
+    From `python -m bench.gemv` on an H200 (docs/PERF.md), 16-bit weights: outputs up to 8192
+    wide (o, down) want few rows of W per program and long loads, so that 4096 outputs still make
+    256 programs; wide outputs (q/k/v, gate/up) twice the rows and shorter loads. 32-bit weights
+    load half as many columns (the same bytes a stage: shared memory would not hold more).
+    """
+    cfg = Config(16, 1024, 8, 4) if n <= 8192 else Config(32, 256, 8, 3)
+    block_k = cfg.block_k if element_size <= 2 else cfg.block_k // 2
+    return cfg._replace(block_k=max(16, min(block_k, triton.next_power_of_2(k))))
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `linear` runs the kernel for these operands (else it is F.linear)."""
+    return (
+        triton is not None
+        and bias is None
+        and x.is_cuda
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and type(weight) in (torch.Tensor, torch.nn.Parameter)  # not a quantized tensor subclass
+        and weight.dim() == 2
+        and weight.dtype == x.dtype
+        and x.dtype in _DTYPES
+        and weight.stride(1) == 1
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): x [M, K], weight [N, K] -> [M, N]; the kernel where it applies."""
+    if applies(x, weight, bias):
+        return _op()(x, weight)
+    return F.linear(x, weight, bias)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _one_row(x_ptr, w_ptr, y_ptr, N, K, stride_xk, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # y[n] = sum_k w[n, k] x[k]: partial products kept per column, summed once at the end.
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + rk
+            w_mask = (rn[:, None] < N) & (ks[None, :] < K)
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+            x = tl.load(x_ptr + ks * stride_xk, mask=ks < K, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: Config, launcher=None) -> None:
+    """y [1, N] = x [1, K] w[N, K]^T with this config (`launcher` wraps the kernel: torch.compile's)."""
+    n, k = w.shape
+    run = launcher or (lambda kernel: kernel)
+    grid = (triton.cdiv(n, cfg.block_n),)
+    opts = {"BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "num_warps": cfg.warps, "num_stages": cfg.stages}
+    run(_one_row)[grid](x, w, y, n, k, x.stride(1), w.stride(0), **opts)
+
+
+@functools.cache
+def _op():
+    """The kernel as a torch op (registered on first use), so torch.compile traces it into its graph."""
+    from torch.library import triton_op, wrap_triton
+
+    @triton_op("vlmesh::one_row_linear", mutates_args=())
+    def one_row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(1, w.shape[0], device=x.device, dtype=x.dtype)
+        launch(x, w, y, pick(w.shape[0], w.shape[1], x.element_size()), wrap_triton)
+        return y
+
+    return one_row_linear
