@@ -10,8 +10,9 @@ bandwidth measured in the same run (bytes read + written).
 With `--prefill T` it also times the engine's prefill steps of 1 and of 3 prompts of T
 positions (a W1 prompt is 608: 576 image and 32 text positions), and of one prompt beside
 `--mixed` decoding sequences, against the compute floor (2 x parameters x rows at the bf16
-matmul rate of BENCHMARKS.md); where the runner has the packed step, both ways: packed (one
-forward, graph-captured) and per chunk (the same runner with its packed step set aside).
+matmul rate of BENCHMARKS.md); where the runner has the packed step, three ways: packed (one
+forward, graph-captured; a lone fresh prompt attends by SDPA), packed with flex for it too, and
+per chunk (the same runner with its packed step set aside).
 
     python -m bench.decode_step [--model preset:llava-7b-shaped] [--quantize none] [--batches 1,8,32]
         [--context 640] [--steps 50] [--prefill 608] [--mixed 16] [--no-skinny-gemv] [--profile]
@@ -110,13 +111,22 @@ def time_prefill(
 
 
 def time_prefills(runner: ModelRunner, tokens: int, decodes: int, context: int, profile_rows: int) -> list[dict]:
-    """1 and 3 prompts, then 1 beside `decodes` decodes; packed and per chunk (the packed step set aside)."""
+    """1 and 3 prompts, then 1 beside `decodes` decodes; packed, packed with flex for a fresh
+    prompt too (its SDPA path off), and per chunk (the packed step set aside)."""
     packed, out = runner.packed, []
-    for mode in ("packed", "chunks") if packed is not None else ("chunks",):
-        runner.packed = packed if mode == "packed" else None
-        for prompts, beside in ((1, 0), (3, 0), (1, decodes)) if decodes else ((1, 0), (3, 0)):
+    sdpa = packed is not None and packed.fresh_sdpa  # False where its graphs could not be captured
+    modes = ("packed", "packed-flex", "chunks") if packed is not None else ("chunks",)
+    for mode in modes:
+        runner.packed = None if mode == "chunks" else packed
+        if packed is not None:
+            packed.fresh_sdpa = sdpa and mode != "packed-flex"
+        cases = ((1, 0), (3, 0), (1, decodes)) if decodes else ((1, 0), (3, 0))
+        for prompts, beside in cases if mode != "packed-flex" else [c for c in cases if c[0] == 1]:
             out.append(time_prefill(runner, prompts, tokens, beside, context, profile_rows=profile_rows))
+            out[-1]["mode"] = mode
     runner.packed = packed
+    if packed is not None:
+        packed.fresh_sdpa = sdpa
     return out
 
 

@@ -404,10 +404,12 @@ def encode_request(consumer_info: pb.ConsumerInfo, pictures: list[bytes]) -> vis
     )
 
 
-def record_decode_rows(runner) -> list[int]:
-    """The decode rows of each packed step the runner runs from now on (in the list returned)."""
+def record_decode_rows(runner, fresh: list[bool] | None = None) -> list[int]:
+    """The decode rows of each packed step the runner runs from now on (in the list returned);
+    into `fresh`, whether each step took the fresh prompt's path (SDPA, services/llm/packed.py)."""
     rows: list[int] = []
     if runner.packed is not None:
         run = runner.packed.run
-        runner.packed.run = lambda: (rows.append(runner.packed.decode_rows), run())
+        seen = fresh if fresh is not None else []
+        runner.packed.run = lambda: (rows.append(runner.packed.decode_rows), seen.append(runner.packed.fresh), run())
     return rows

@@ -3,7 +3,12 @@
 Rows: the chunks' positions in plan order, then padding up to the row bucket (`row_buckets`).
 Every row first stores its K/V in the pool (padding rows in the null page), then attends
 through `flex_attention` to the pool itself, with a block mask made on the host
-(services/llm/packed_mask.py).
+(services/llm/packed_mask.py). A step whose one chunk starts its sequence (a fresh prompt, the
+common step under W1 load) attends instead with SDPA, causal over the step's own keys: its rows
+see nothing in the pool, and row i sees rows 0..i of the bucket, which are its positions 0..i
+(the padding and decode rows after the prompt see garbage that nothing reads). On the H200
+flex took 48 us a layer for one 608-position prompt, cuDNN's SDPA 19 on the same keys
+(docs/PERF.md); that step also stages no block mask. Each row bucket has a graph of each kind.
 
 The step's decodes ride in the last rows of the bucket (`decode_rows` of them, padding
 included): their tokens go through every matmul with the prompts' rows, so the weights are read
@@ -32,6 +37,7 @@ import logging
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from services.common.buckets import capture_graphs
 from services.llm.attention import prefill_in, prefill_out
@@ -127,6 +133,8 @@ class PackedStep:
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.rows = 0  # the bucket of the rows staged for the next run
         self.decode_rows = 0  # of them, the last ones that are the decodes' (0: the decodes run apart)
+        self.fresh = False  # the staged rows are one fresh prompt's: SDPA over their own keys, no mask
+        self.fresh_sdpa = True  # take that path where it applies (off: flex for every step)
         self._decode_len = 0  # the decodes' longest context (a host hint for the CPU's attention)
 
     def bucket(self, n: int) -> int:
@@ -147,8 +155,9 @@ class PackedStep:
         n = sum(c.end - c.start for c in chunks)
         if n > self.buckets[-1] or len(reqs) > self.max_seqs:
             return False
-        ranks = stage_pages(h, reqs)
-        if ranks is None:
+        fresh = self.fresh_sdpa and len(chunks) == 1 and chunks[0].start == 0
+        ranks = None if fresh else stage_pages(h, reqs)
+        if ranks is None and not fresh:
             return False
         d = next((s for s in self.decode_sizes if s >= len(decodes)), 0) if decodes else 0
         if n + d > self.buckets[-1]:
@@ -166,7 +175,8 @@ class PackedStep:
         positions = np.concatenate(pos)
         seqs = np.repeat(np.arange(len(reqs)), [len(p) for p in pos])
         rows = self.bucket(n + d)
-        h["ids"][:n], h["pos"][:n], h["rank"][:n] = ids, positions, ranks[seqs]
+        h["ids"][:n], h["pos"][:n] = ids, positions
+        h["rank"][:n] = 0 if fresh else ranks[seqs]
         h["slots"][:n] = np.concatenate(slots)
         h["ids"][n:rows] = 0
         h["pos"][n:rows] = 0
@@ -183,8 +193,9 @@ class PackedStep:
             self._decode_len = max(r.computed for r in decodes) + 1
         h["last"][: len(last)], h["last"][len(last) :] = last, 0
         h["ban"][: len(ban)], h["ban"][len(ban) :] = ban, 0
-        stage_blocks(h, reqs, positions, [len(p) for p in pos], rows, page)
-        self.rows, self.decode_rows = rows, d
+        if not fresh:
+            stage_blocks(h, reqs, positions, [len(p) for p in pos], rows, page)
+        self.rows, self.decode_rows, self.fresh = rows, d, fresh
         return True
 
     # ---- device side ----
@@ -195,10 +206,10 @@ class PackedStep:
         return x
 
     @torch.inference_mode()
-    def forward(self, size: tuple[int, int]) -> None:
+    def forward(self, size: tuple[int, int, bool]) -> None:
         """Input rows [:rows], the last `decodes` of them the decodes' -> `logits` and `greedy` of the
         sampled rows. Capturable: static shapes, no syncs."""
-        rows, decodes = size
+        rows, decodes, fresh = size
         d = self._dev
         positions, slots = d["pos"][:rows].long(), d["slots"][:rows].long()
         cos, sin = self.rope[0][positions], self.rope[1][positions]
@@ -209,15 +220,15 @@ class PackedStep:
         x = self.x[:rows]
         for i, layer in enumerate(self.model.layers):
             k_pool, v_pool = self.kv.k[i], self.kv.v[i]
-            q, _, _ = self._in(layer, x, cos, sin, k_pool, v_pool, slots)
-            o = self._flex(
-                q.transpose(0, 1)[None],  # [1, h, rows, d]
-                k_pool[None],
-                v_pool[None],
-                block_mask=mask,
-                enable_gqa=self.gqa,
-                kernel_options=self._options,
-            )[0].transpose(0, 1)  # [rows, h, d]
+            q, k, v = self._in(layer, x, cos, sin, k_pool, v_pool, slots)
+            if fresh:  # one prompt from position 0: causal over the rows themselves
+                t = [a.transpose(0, 1)[None] for a in (q, k, v)]  # [1, heads, rows, d]
+                o = F.scaled_dot_product_attention(*t, is_causal=True, enable_gqa=self.gqa)[0].transpose(0, 1)
+            else:  # q [1, h, rows, d] over the pool, as the block mask says -> [rows, h, d]
+                o = self._flex(
+                    q.transpose(0, 1)[None], k_pool[None], v_pool[None], block_mask=mask, enable_gqa=self.gqa,
+                    kernel_options=self._options,
+                )[0].transpose(0, 1)  # fmt: skip
             if decodes:
                 o[first:] = attn(q[first:], k_pool, v_pool)
             x = self._out(layer, x, o)
@@ -227,7 +238,7 @@ class PackedStep:
 
     def run(self) -> None:
         """Run the staged rows (uploaded, embedded, features written): a graph replay when captured."""
-        size = (self.rows, self.decode_rows)
+        size = (self.rows, self.decode_rows, self.fresh)
         graph = self._graphs.get(size)
         if graph is None:
             self.forward(size)
@@ -235,19 +246,27 @@ class PackedStep:
             graph.replay()
 
     def capture(self, fallback: bool = False) -> PackedStep | None:
-        """Compile and capture one graph per row bucket and decode rows (services/common/buckets.py); returns self.
+        """Compile and capture graphs per row bucket and decode rows, flex's and a fresh prompt's
+        (services/common/buckets.py); returns self.
 
-        `fallback`: if compiling or capturing fails, log it and return None (the runner then
-        prefills per chunk) instead of raising. The staged inputs must be valid while
-        capturing: zeros are (every page's range is rank 0, every row at position 0 of the
-        null page).
+        `fallback`: if compiling or capturing flex's fails, log it and return None (the runner
+        then prefills per chunk) instead of raising. If only the fresh prompts' graphs fail, flex
+        serves every step (logged). The staged inputs must be valid while capturing: zeros are
+        (every page's range is rank 0, every row at position 0 of the null page).
         """
+        sizes = [(r, d) for r in self.buckets for d in (0, *self.decode_sizes) if d < r]
         try:
-            sizes = [(r, d) for r in self.buckets for d in (0, *self.decode_sizes) if d < r]
-            self._graphs = capture_graphs(sizes, self.forward, "packed step, (rows, decode rows)")
+            self._graphs = capture_graphs([(*s, False) for s in sizes], self.forward, "packed step, (rows, decodes, -)")
         except Exception:
             if not fallback:
                 raise
             log.exception("the packed step could not be captured: prefill runs per chunk (--prefill chunks)")
             return None
+        if self.fresh_sdpa:
+            try:
+                fresh = capture_graphs([(*s, True) for s in sizes], self.forward, "packed step, (rows, decodes, fresh)")
+                self._graphs.update(fresh)
+            except Exception:
+                log.exception("a fresh prompt's packed step (SDPA) could not be captured: flex serves every prefill")
+                self.fresh_sdpa = False
         return self

@@ -93,10 +93,13 @@ def test_packed_prefill_equals_the_per_chunk_prefill_fp32(fp32_parts, cut_preset
             native=NativeEngineConfig(prefill=prefill, max_prefill_tokens=700),
         )
         try:
-            rode = record_decode_rows(parts.engine.runner)
+            fresh: list[bool] = []
+            rode = record_decode_rows(parts.engine.runner, fresh)
             answers.append(ours(parts, cases))
             assert_idle(parts)
             assert prefill == "chunks" or any(rode), "no decodes rode in a packed step"
+            # Both attentions ran, captured: SDPA for a fresh prompt's step, flex for the rest.
+            assert prefill == "chunks" or (parts.engine.runner.packed.fresh_sdpa and any(fresh) and not all(fresh))
         finally:
             parts.engine.stop()
     assert answers[0] == answers[1]

@@ -172,3 +172,32 @@ def test_the_engine_answers_alike_with_packed_and_chunked_prefill(tiny_model):
         finally:
             parts.engine.stop()
     assert answers["packed"] == answers["chunks"]
+
+
+def test_a_fresh_prompt_attends_by_sdpa_and_equals_flex(pair):
+    """One chunk from position 0 (decodes riding) takes SDPA over its own rows; with that path off,
+    flex over the pool: the same tokens and pool. A continued chunk, or two prompts, take flex."""
+    spec, _, packed = pair
+    gen = torch.Generator().manual_seed(11)
+    a_ids, b_ids = (torch.randint(3, spec.text.vocab, (n,), generator=gen).tolist() for n in (30, 150))
+    out = {}
+    try:
+        for fresh_sdpa in (True, False):
+            packed.packed.fresh_sdpa = fresh_sdpa
+            a, b = Seq(a_ids, list(range(70, 73))), Seq(b_ids, list(range(80, 90)))
+            a.output_ids.append(packed.step([Chunk(a, 0, 30)], [])[0])
+            assert packed.packed.fresh == fresh_sdpa
+            tokens = packed.step([Chunk(b, 0, 150)], [a])  # fresh, a decode riding
+            assert packed.packed.fresh == fresh_sdpa and packed.packed.decode_rows > 0
+            pool = torch.stack([torch.stack([k, v]) for k, v in zip(packed.kv.k, packed.kv.v, strict=True)])
+            out[fresh_sdpa] = tokens, pool[:, :, :, 70 * PAGE : 90 * PAGE].clone()
+            c = Seq(b_ids, list(range(95, 105)))
+            packed.step([Chunk(c, 0, 100)], [])
+            packed.step([Chunk(c, 100, 150)], [])  # continues: reads its first rows from the pool
+            assert not packed.packed.fresh
+            packed.step([Chunk(Seq(a_ids, [110, 111]), 0, 30), Chunk(Seq(a_ids, [112, 113]), 0, 30)], [])
+            assert not packed.packed.fresh
+    finally:
+        packed.packed.fresh_sdpa = True
+    assert out[True][0] == out[False][0]
+    torch.testing.assert_close(out[True][1], out[False][1], atol=1e-4, rtol=1e-4)
