@@ -1,0 +1,213 @@
+"""W1 under load through the llm engine's own schedule, simulated on the CPU: where the knee
+(P99 <= 387 ms) would move if a step got cheaper, before GPU time is spent on it.
+
+The engine's Scheduler and BlockManager (services/llm) run as they serve; what the GPU does is
+a model of each step's time, fitted to the H200's measurements of the 7B-shaped preset in the
+mesh under MPS (docs/PERF.md, the eighth to tenth sessions):
+- a decode-only step of batch b: the step of the smallest bucket >= b as the mesh ran it
+  (`--decode-ms`: the ninth session's step trace at 35 req/s, staging and wake-up included;
+  bench.decode_step's device times are 0.6-1.5 ms lower: the ViT's kernels share the GPU),
+  plus `--decode-extra-ms`;
+- a step with prompts: the packed graph's row bucket (bench.decode_step's packed prefills:
+  14.5 ms for the 640-row bucket, 40.0 for 2,048; linear between, never under one weight read),
+  plus `--riding-ms` per decode riding in it (their attention), plus `--prompt-extra-ms` (16.0 ms of
+  device time and 0.8-0.95 ms of staging for one prompt in the mesh, against 14.5 alone);
+- before the llm, `--front-ms` (gateway, preprocessing, the ViT, the hand-off: about 15 ms at
+  25-35 req/s), after its last token `--back-ms`; or, with `--overheads RESULTS`, each request
+  draws both from a measured mesh run (a `vlmesh bench` results file, the run at the rate
+  nearest the simulated one): its preprocess + vision + hand-off stages before, and what its
+  e2e spent outside every stage after (RPCs, relaying, the client: 13 ms p50 and 45-50 ms p99
+  at 30-35 req/s on the H200).
+Every request is W1-shaped: 576 image and 32 text positions, 16 tokens out (the first from the
+prefill), the QoS mix 20/60/20, Poisson arrivals.
+
+    python -m bench.schedule_sim [--rates 20,25,30,35,40] [--duration 600] [--seeds 3]
+        [--overheads results.json.gz] [--decode-scale 1.0] [--prompt-scale 1.0]
+        [--max-prefill-tokens 2048] [--max-batch 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+import statistics
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from services.common.qos import QosLevel
+from services.common.sampling import Sampling
+from services.llm.block_manager import BlockManager
+from services.llm.packed import row_buckets
+from services.llm.request import Request
+from services.llm.scheduler import Scheduler
+
+IMAGE, TEXT, OUT = 576, 32, 16
+GREEDY = Sampling(max_tokens=OUT, temperature=0.0, top_p=1.0, seed=None, stop=(), min_tokens=OUT, ignore_eos=True)
+MIX = ((QosLevel.REALTIME, 0.2), (QosLevel.STANDARD, 0.6), (QosLevel.BEST_EFFORT, 0.2))
+
+
+@dataclass(frozen=True)
+class StepModel:
+    decode_ms: dict[int, float]  # decode graph per batch bucket
+    decode_extra_ms: float
+    prompt_640_ms: float
+    prompt_2048_ms: float
+    weight_read_ms: float
+    riding_ms: float
+    prompt_extra_ms: float
+    decode_scale: float = 1.0  # what-if: every decode-only step this much of its time
+    prompt_scale: float = 1.0  # what-if: every step with prompts this much
+
+    def decode(self, n: int) -> float:
+        bucket = next(b for b in sorted(self.decode_ms) if b >= n)
+        return (self.decode_ms[bucket] + self.decode_extra_ms) * self.decode_scale
+
+    def packed(self, rows: int, bucket: int, riding: int) -> float:
+        per_row = (self.prompt_2048_ms - self.prompt_640_ms) / (2048 - 640)
+        graph = max(self.weight_read_ms, self.prompt_640_ms + (bucket - 640) * per_row)
+        return (graph + riding * self.riding_ms + self.prompt_extra_ms) * self.prompt_scale
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def measured_overheads(path: str, rate: float) -> list[tuple[float, float]]:
+    """(before the llm, outside every stage) in ms of each OK request of the run nearest `rate`."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    runs = {r["summary"]["offered_rps"]: name for name, r in zip(data["requests"], data["runs"], strict=True)}
+    nearest = runs[min(runs, key=lambda r: abs(r - rate))]
+    out = []
+    for r in data["requests"][nearest]:
+        st = r.get("stages_ms") or {}
+        if r["status"] == "OK" and st:
+            out.append((st["preprocess"] + st["vision"] + st["handoff"], r["e2e_ms"] - sum(st.values())))
+    return out
+
+
+def simulate(rate: float, duration: float, seed: int, model: StepModel, args) -> dict:
+    """One run: seconds of arrivals at `rate`; each finished request's e2e, TTFT and TPOT (ms)."""
+    rnd = random.Random(seed)
+    overheads = measured_overheads(args.overheads, rate) if args.overheads else [(args.front_ms, args.back_ms)]
+    clock = [0.0]
+    pool = BlockManager(args.max_batch * 8 + 1, 128)
+    sched = Scheduler(args.max_batch, pool, args.max_prefill_tokens, clock=lambda: clock[0], prefix_cache=False)
+    buckets = row_buckets(args.max_prefill_tokens + args.max_batch)
+    arrivals, t = [], 0.0
+    while t < duration:
+        t += rnd.expovariate(rate)
+        qos = rnd.choices([q for q, _ in MIX], [w for _, w in MIX])[0]
+        front, back = rnd.choice(overheads)
+        arrivals.append((t + front / 1e3, t, qos, back))
+    arrivals.sort()  # by when each reaches the llm
+    born, first, done, back_ms = {}, {}, {}, {}
+    i = 0
+    while i < len(arrivals) or sched.waiting or sched.running:
+        while i < len(arrivals) and arrivals[i][0] <= clock[0]:
+            at, sent, qos, back = arrivals[i]
+            req = Request(
+                id=str(i),
+                prompt_ids=[7] * (IMAGE + TEXT),
+                image_positions=[0],
+                image_features=[SimpleNamespace(shape=(IMAGE, 0))],
+                text_tokens=TEXT,
+                sampling=GREEDY,
+                max_new=OUT,
+                qos=qos,
+                detok=None,
+                emit=None,
+                arrival=at,
+            )
+            born[req.id], back_ms[req.id] = sent, back
+            sched.add(req)
+            i += 1
+        plan = sched.schedule()
+        if plan.empty:
+            clock[0] = arrivals[i][0]  # idle until the next request reaches the llm
+            continue
+        rows = sum(c.end - c.start for c in plan.prefill)
+        if rows:
+            riding = next((s for s in (8, 16, args.max_batch) if s >= len(plan.decode)), 0) if plan.decode else 0
+            bucket = next(b for b in buckets if b >= rows + riding)
+            clock[0] += model.packed(rows, bucket, riding) / 1e3
+        else:
+            clock[0] += model.decode(len(plan.decode)) / 1e3
+        for c in plan.prefill:
+            c.req.computed = c.end
+            if c.completes:
+                c.req.output_ids.append(1)
+                first[c.req.id] = clock[0]
+        for r in plan.decode:
+            r.computed += 1
+            r.output_ids.append(1)
+        for r in [*plan.decode, *(c.req for c in plan.prefill if c.completes)]:
+            if len(r.output_ids) >= OUT and r.running:
+                sched.finish(r)
+                done[r.id] = clock[0] + back_ms[r.id] / 1e3
+    warm = args.warmup
+    ids = [k for k in done if born[k] >= warm]
+    return {
+        "sent": len(arrivals),
+        "finished": len(done),
+        "e2e": [(done[k] - born[k]) * 1e3 for k in ids],
+        "ttft": [(first[k] - born[k]) * 1e3 for k in ids],
+        "tpot": [(done[k] - first[k]) * 1e3 / (OUT - 1) for k in ids],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.schedule_sim", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", default="20,25,30,35,40")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals per run")
+    p.add_argument("--warmup", type=float, default=5.0, help="seconds of arrivals left out")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--max-prefill-tokens", type=int, default=2048)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--decode-ms", default="1:5.2,2:5.4,4:5.5,8:6.4,16:7.3,32:8.3", help="bucket:ms,...")
+    p.add_argument("--decode-extra-ms", type=float, default=0.0)
+    p.add_argument("--prompt-640-ms", type=float, default=14.5)
+    p.add_argument("--prompt-2048-ms", type=float, default=40.0)
+    p.add_argument("--weight-read-ms", type=float, default=4.6)
+    p.add_argument("--riding-ms", type=float, default=0.1)
+    p.add_argument("--prompt-extra-ms", type=float, default=2.4)
+    p.add_argument("--front-ms", type=float, default=15.0)
+    p.add_argument("--back-ms", type=float, default=2.0)
+    p.add_argument("--overheads", default=None, help="a vlmesh bench results file: draw front and back from it")
+    p.add_argument("--decode-scale", type=float, default=1.0, help="what-if: decode-only steps take this share")
+    p.add_argument("--prompt-scale", type=float, default=1.0, help="what-if: steps with prompts take this share")
+    args = p.parse_args(argv)
+    decode = {int(b): float(ms) for b, ms in (kv.split(":") for kv in args.decode_ms.split(","))}
+    model = StepModel(
+        decode,
+        args.decode_extra_ms,
+        args.prompt_640_ms,
+        args.prompt_2048_ms,
+        args.weight_read_ms,
+        args.riding_ms,
+        args.prompt_extra_ms,
+        args.decode_scale,
+        args.prompt_scale,
+    )
+    print("| offered req/s | e2e p50 / p99 ms (seeds: median, range of p99) | TTFT p50 / p99 | TPOT p50 / p99 |")
+    print("| --- | --- | --- | --- |")
+    for rate in (float(r) for r in args.rates.split(",")):
+        runs = [simulate(rate, args.duration, seed, model, args) for seed in range(args.seeds)]
+        p99s = sorted(percentile(r["e2e"], 0.99) for r in runs)
+
+        def med(key: str, q: float, runs: list[dict] = runs) -> float:
+            return statistics.median(percentile(r[key], q) for r in runs)
+
+        print(
+            f"| {rate:g} | {med('e2e', 0.5):.0f} / {med('e2e', 0.99):.0f} ({p99s[0]:.0f}-{p99s[-1]:.0f}) "
+            f"| {med('ttft', 0.5):.0f} / {med('ttft', 0.99):.0f} | {med('tpot', 0.5):.1f} / {med('tpot', 0.99):.1f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
