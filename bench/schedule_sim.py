@@ -105,7 +105,7 @@ def simulate(rate: float, duration: float, seed: int, model: StepModel, args) ->
         front, back = rnd.choice(overheads)
         arrivals.append((t + front / 1e3, t, qos, back))
     arrivals.sort()  # by when each reaches the llm
-    born, first, done, back_ms = {}, {}, {}, {}
+    born, first, last, done, back_ms = {}, {}, {}, {}, {}
     i = 0
     while i < len(arrivals) or sched.waiting or sched.running:
         while i < len(arrivals) and arrivals[i][0] <= clock[0]:
@@ -148,6 +148,7 @@ def simulate(rate: float, duration: float, seed: int, model: StepModel, args) ->
         for r in [*plan.decode, *(c.req for c in plan.prefill if c.completes)]:
             if len(r.output_ids) >= OUT and r.running:
                 sched.finish(r)
+                last[r.id] = clock[0]
                 done[r.id] = clock[0] + back_ms[r.id] / 1e3
     warm = args.warmup
     ids = [k for k in done if born[k] >= warm]
@@ -156,7 +157,7 @@ def simulate(rate: float, duration: float, seed: int, model: StepModel, args) ->
         "finished": len(done),
         "e2e": [(done[k] - born[k]) * 1e3 for k in ids],
         "ttft": [(first[k] - born[k]) * 1e3 for k in ids],
-        "tpot": [(done[k] - first[k]) * 1e3 / (OUT - 1) for k in ids],
+        "tpot": [(last[k] - first[k]) * 1e3 / (OUT - 1) for k in ids],
     }
 
 
@@ -193,8 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         args.decode_scale,
         args.prompt_scale,
     )
-    print("| offered req/s | e2e p50 / p99 ms (seeds: median, range of p99) | TTFT p50 / p99 | TPOT p50 / p99 |")
-    print("| --- | --- | --- | --- |")
+    print("| offered req/s | e2e p50 / p99 ms (seeds: median, range of p99) | TTFT p50 / p99 | TPOT p50 / p99 | done |")
+    print("| --- | --- | --- | --- | --- |")
     for rate in (float(r) for r in args.rates.split(",")):
         runs = [simulate(rate, args.duration, seed, model, args) for seed in range(args.seeds)]
         p99s = sorted(percentile(r["e2e"], 0.99) for r in runs)
@@ -204,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
 
         print(
             f"| {rate:g} | {med('e2e', 0.5):.0f} / {med('e2e', 0.99):.0f} ({p99s[0]:.0f}-{p99s[-1]:.0f}) "
-            f"| {med('ttft', 0.5):.0f} / {med('ttft', 0.99):.0f} | {med('tpot', 0.5):.1f} / {med('tpot', 0.99):.1f} |",
+            f"| {med('ttft', 0.5):.0f} / {med('ttft', 0.99):.0f} | {med('tpot', 0.5):.1f} / {med('tpot', 0.99):.1f} "
+            f"| {sum(r['finished'] for r in runs)} of {sum(r['sent'] for r in runs)} |",
             flush=True,
         )
 

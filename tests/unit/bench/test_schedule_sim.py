@@ -1,31 +1,32 @@
-"""bench.schedule_sim: the engine's scheduler under a model of each step's time."""
+"""python -m bench.schedule_sim: the engine's scheduler under a model of each step's time."""
 
-import argparse
+import re
+import subprocess
+import sys
 
-import pytest
+STEPS = [
+    *("--decode-ms", "1:4,8:5,32:7", "--prompt-640-ms", "14", "--prompt-2048-ms", "40", "--prompt-extra-ms", "2"),
+    *("--front-ms", "15", "--back-ms", "2", "--warmup", "0", "--seeds", "1"),
+]
 
-from bench.schedule_sim import OUT, StepModel, simulate
 
-MODEL = StepModel({1: 4.0, 8: 5.0, 32: 7.0}, 0.5, 14.0, 40.0, 4.6, 0.1, 2.0)
-
-
-def args(**kw) -> argparse.Namespace:
-    base = {"max_batch": 32, "max_prefill_tokens": 2048, "front_ms": 15.0, "back_ms": 2.0, "warmup": 0.0}
-    return argparse.Namespace(overheads=None, **{**base, **kw})
+def run(*args: str) -> list[list[str]]:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.schedule_sim", *STEPS, *args], capture_output=True, text=True, check=True
+    ).stdout
+    return [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()[2:] if line.startswith("|")]
 
 
 def test_alone_a_request_takes_front_prefill_its_decode_steps_and_back():
-    # 0.05 req/s over 200 s: requests never overlap, so each one's latency is exact.
-    run = simulate(0.05, 200.0, seed=1, model=MODEL, args=args())
-    prefill = MODEL.packed(608, 640, 0)  # 14 + 2 = 16 ms
-    assert prefill == pytest.approx(16.0)
-    want = 15.0 + prefill + (OUT - 1) * MODEL.decode(1) + 2.0
-    assert run["e2e"] and all(e == pytest.approx(want) for e in run["e2e"])
-    assert all(t == pytest.approx(15.0 + prefill) for t in run["ttft"])
+    # 0.05 req/s for 200 s: requests never overlap, so each one's latency is exact:
+    # 15 before, 14 + 2 for the 608-position prompt (640 rows), 15 decode steps of 4, 2 after.
+    (row,) = run("--rates", "0.05", "--duration", "200")
+    assert row[1] == "93 / 93 (93-93)"
+    assert row[2] == "31 / 31" and row[3] == "4.0 / 4.0"
 
 
-def test_under_load_decodes_ride_and_latency_grows_with_the_rate():
-    low, high = (simulate(rate, 60.0, seed=2, model=MODEL, args=args()) for rate in (5.0, 30.0))
-    p50 = [sorted(r["e2e"])[len(r["e2e"]) // 2] for r in (low, high)]
-    assert p50[1] > p50[0]
-    assert high["finished"] == high["sent"] > 1500  # every request finishes: none is lost in the schedule
+def test_under_load_every_request_finishes_and_latency_grows_with_the_rate():
+    low, high = run("--rates", "5,30", "--duration", "60")
+    done, sent = map(int, re.match(r"(\d+) of (\d+)", high[4]).groups())
+    assert done == sent > 1500  # none is lost in the schedule
+    assert int(high[1].split(" / ")[0]) > int(low[1].split(" / ")[0])
