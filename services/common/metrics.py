@@ -56,6 +56,12 @@ IN_FLIGHT = Gauge("vlmesh_in_flight", "Admitted requests not yet answered (gatew
 WORKER_CIRCUIT = Gauge(
     "vlmesh_worker_circuit", "The gateway's breaker of each worker: 0 closed, 1 half-open, 2 open", ["worker"]
 )
+GC_PAUSE = Histogram(
+    "vlmesh_gc_pause_seconds",
+    "Python garbage collections and how long each held the process (services/common/gcpause.py)",
+    ["service", "generation"],
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)
 STAGE_DURATION = Histogram(
     "vlmesh_stage_duration_seconds", "Time spent in one stage of a request", ["stage"], buckets=LATENCY_BUCKETS
 )

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import eventloop, telemetry
+from services.common import eventloop, gcpause, telemetry
 from services.common.config import ServerConfig
 from services.common.errors import MeshError
 from services.common.logs import setup_logging
@@ -131,6 +131,8 @@ async def start_server(
         if port_in_use(cfg.host, cfg.port):
             raise PortInUse(address, "--port")
         raise OSError(f"cannot bind {address}: not an address of this host?")
+    if cfg.gc_freeze:  # the service is built: what is alive now lives as long as the process
+        gcpause.freeze_startup_heap()
     await server.start()
     running = RunningServer(server, health_servicer, bound, names)
     await running.set_serving(True)
@@ -204,6 +206,7 @@ def run_service(
     setup_logging(server_cfg.log_level, name, server_cfg.log_format)
     logging.getLogger(name).info("event loop: %s", eventloop.resolve(server_cfg.event_loop))
     sys.setswitchinterval(server_cfg.switch_interval_ms / 1000)
+    gcpause.watch_pauses(name)
     try:
         telemetry.setup_tracing(name)
         if server_cfg.metrics_port >= 0:

@@ -37,7 +37,7 @@ SERVICES = ("gateway", "vision", "llm")
 # The service flags `vlmesh up` takes and passes on, by dest; each is declared once, in its
 # service's config (services/*/config.py), with its default and help.
 SERVER_FLAGS = (  # to all three
-    *("host", "log_level", "log_format", "event_loop", "grace_s", "switch_interval_ms"),
+    *("host", "log_level", "log_format", "event_loop", "grace_s", "switch_interval_ms", "gc_freeze"),
     *("tls_cert", "tls_key", "tls_ca"),
 )
 MODEL_FLAGS = ("model", "device", "dtype", "threads", "memory_watermarks")  # to vision and llm

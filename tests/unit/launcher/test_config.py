@@ -46,6 +46,7 @@ def custom_server(port: int) -> ServerConfig:
         metrics_port=-1,
         grace_s=2.5,
         switch_interval_ms=0.25,
+        gc_freeze=False,
         event_loop="asyncio",
         port_file="/tmp/ports.json",
         tls_cert=str(PEM / "cert"),
