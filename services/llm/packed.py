@@ -130,7 +130,7 @@ class PackedStep:
         # 21 ms against 18 with 5-8 (docs/PERF.md, the step traces).
         self.decode = decode
         self.decode_sizes = sorted({min(s, max_seqs) for s in (8, 16, max_seqs)}) if decode is not None else []
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (rows, decode rows, fresh)
         self.rows = 0  # the bucket of the rows staged for the next run
         self.decode_rows = 0  # of them, the last ones that are the decodes' (0: the decodes run apart)
         self.fresh = False  # the staged rows are one fresh prompt's: SDPA over their own keys, no mask

@@ -10,7 +10,7 @@ after it. In the step that is 105 us a layer for the four projections against cu
 (docs/PERF.md).
 
 Only one row: from 2 rows up cuBLAS's tensor-core kernels stay. A 16-row-tile variant of this
-kernel was 8-15% faster than cuBLAS timed alone, but slower inside the decode step (119 us a
+kernel was 4-16% faster than cuBLAS timed alone, but slower inside the decode step (119 us a
 layer against about 114 at batch 8, not explained yet; docs/PERF.md), so it was dropped.
 
 `linear` is F.linear's drop-in: the kernel where it applies (CUDA, one row, a plain 2-D weight
