@@ -19,6 +19,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from services.common.buckets import capture_graphs
 from services.model import gemv
 from services.model.spec import load_spec
 
@@ -27,16 +28,7 @@ GRID = [gemv.Config(*c) for c in itertools.product((8, 16, 32, 64), (256, 512, 1
 
 def graph_time(run, layers: int, replays: int = 20) -> float:
     """Seconds per launch of `run(i)` for i in range(layers), captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(layers):
-            run(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(layers):
-            run(i)
+    graph = capture_graphs([layers], lambda n: [run(i) for i in range(n)], "bench.gemv")[layers]
     graph.replay()
     times = []
     for _ in range(replays):

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from services.common.buckets import capture_graphs
 from services.model import gemv
 
 pytestmark = pytest.mark.gpu
@@ -32,15 +33,9 @@ def test_a_strided_input_compiled_and_captured_in_a_graph_gives_new_results_per_
     w = torch.randn(512, 256, device="cuda") / 16
     buf = torch.zeros(1, 2, 256, device="cuda")
     step = torch.compile(lambda t: gemv.linear(t[:, 1], w) + 1.0, dynamic=False)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step(buf)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(buf)
+    outs = []
+    graph = capture_graphs([1], lambda _: outs.append(step(buf)), "test")[1]
+    out = outs[-1]  # the captured run's (after two warm-up runs)
     for seed in (1, 2):
         buf.copy_(torch.randn(1, 2, 256, generator=torch.Generator().manual_seed(seed)))
         graph.replay()
