@@ -39,7 +39,7 @@ from types import SimpleNamespace
 from services.common.qos import QosLevel
 from services.common.sampling import Sampling
 from services.llm.block_manager import BlockManager
-from services.llm.packed import row_buckets
+from services.llm.packed import decode_row_sizes, row_buckets
 from services.llm.request import Request
 from services.llm.scheduler import Scheduler
 
@@ -132,7 +132,8 @@ def simulate(rate: float, duration: float, seed: int, model: StepModel, args) ->
             continue
         rows = sum(c.end - c.start for c in plan.prefill)
         if rows:
-            riding = next((s for s in (8, 16, args.max_batch) if s >= len(plan.decode)), 0) if plan.decode else 0
+            sizes = decode_row_sizes(args.max_batch)
+            riding = next((s for s in sizes if s >= len(plan.decode)), 0) if plan.decode else 0
             bucket = next(b for b in buckets if b >= rows + riding)
             clock[0] += model.packed(rows, bucket, riding) / 1e3
         else:

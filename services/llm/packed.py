@@ -62,6 +62,17 @@ def row_buckets(max_rows: int) -> list[int]:
     return [*sizes, top]
 
 
+def decode_row_sizes(max_seqs: int) -> list[int]:
+    """Decode rows a step carries (padding included), each a captured variant of every row bucket.
+
+    Few sizes, as each compiles the decode attention for its shape. 16 as well as 8 and 32: the
+    riding decodes' attention runs over every padding row too, and at W1's 35 req/s on the H200 a
+    one-prompt step with 9-12 riding decodes, padded to 32, took 21 ms against 18 with 5-8
+    (docs/PERF.md, the step traces).
+    """
+    return sorted({min(s, max_seqs) for s in (8, 16, max_seqs)})
+
+
 def fixed_words(max_rows: int, max_seqs: int, n_pages: int) -> int:
     """Staging words the packed step's inputs take (see `PackedStep.__init__`)."""
     rows = row_buckets(max_rows)[-1]
@@ -123,13 +134,8 @@ class PackedStep:
         self._flex = torch.compile(flex_attention, dynamic=False)
         self.gqa = model.layers[0].self_attn.h != model.layers[0].self_attn.g
         self._masks = {b: block_mask(dev, b, self.page, self.n_pages) for b in self.buckets}
-        # Decode rows a step carries (padding included), each a captured variant of every row
-        # bucket: few sizes, as each compiles the decode attention for its shape. 16 as well as
-        # 8 and 32: the riding decodes' attention runs over every padding row too, and at W1's
-        # 35 req/s on the H200 a one-prompt step with 9-12 riding decodes, padded to 32, took
-        # 21 ms against 18 with 5-8 (docs/PERF.md, the step traces).
         self.decode = decode
-        self.decode_sizes = sorted({min(s, max_seqs) for s in (8, 16, max_seqs)}) if decode is not None else []
+        self.decode_sizes = decode_row_sizes(max_seqs) if decode is not None else []
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (rows, decode rows, fresh)
         self.rows = 0  # the bucket of the rows staged for the next run
         self.decode_rows = 0  # of them, the last ones that are the decodes' (0: the decodes run apart)
@@ -173,10 +179,9 @@ class PackedStep:
                 last.append(len(ids) - 1)
                 ban.append(len(r.output_ids) < r.sampling.min_tokens)
         positions = np.concatenate(pos)
-        seqs = np.repeat(np.arange(len(reqs)), [len(p) for p in pos])
         rows = self.bucket(n + d)
         h["ids"][:n], h["pos"][:n] = ids, positions
-        h["rank"][:n] = 0 if fresh else ranks[seqs]
+        h["rank"][:n] = 0 if fresh else ranks[np.repeat(np.arange(len(reqs)), [len(p) for p in pos])]
         h["slots"][:n] = np.concatenate(slots)
         h["ids"][n:rows] = 0
         h["pos"][n:rows] = 0
@@ -225,10 +230,11 @@ class PackedStep:
                 t = [a.transpose(0, 1)[None] for a in (q, k, v)]  # [1, heads, rows, d]
                 o = F.scaled_dot_product_attention(*t, is_causal=True, enable_gqa=self.gqa)[0].transpose(0, 1)
             else:  # q [1, h, rows, d] over the pool, as the block mask says -> [rows, h, d]
+                qt = q.transpose(0, 1)[None]
                 o = self._flex(
-                    q.transpose(0, 1)[None], k_pool[None], v_pool[None], block_mask=mask, enable_gqa=self.gqa,
-                    kernel_options=self._options,
-                )[0].transpose(0, 1)  # fmt: skip
+                    qt, k_pool[None], v_pool[None], block_mask=mask, enable_gqa=self.gqa, kernel_options=self._options
+                )
+                o = o[0].transpose(0, 1)
             if decodes:
                 o[first:] = attn(q[first:], k_pool, v_pool)
             x = self._out(layer, x, o)
