@@ -19,7 +19,7 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
-def capture_graphs(sizes: Iterable, run: Callable, what: str) -> dict:
+def capture_graphs(sizes: Iterable, run: Callable, what: str, stream=None) -> dict:
     """{size: torch.cuda.CUDAGraph} of `run(size)`, largest first, all in one memory pool.
 
     A size is a batch, or any key that sorts (the packed step's (rows, decode rows)).
@@ -27,11 +27,15 @@ def capture_graphs(sizes: Iterable, run: Callable, what: str) -> dict:
     Each size runs twice on a side stream first (the compile, then a run outside the capture),
     as CUDA graph capture needs. `run` must read and write only static buffers, with no host
     syncs. Raises what compiling or capturing raised.
+
+    `stream`: capture on it, e.g. a green context's (services/llm/sm_partition.py). A graph keeps
+    the SMs of the context it was captured in: replayed on another stream it still runs there,
+    and one captured on the whole device ignores a partition's limit (measured on the H200).
     """
     import torch  # here: services/common is imported by the launcher, which loads no torch
 
     start = time.perf_counter()
-    pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+    pool, stream = torch.cuda.graph_pool_handle(), stream or torch.cuda.Stream()
     graphs = {}
     for size in sorted(sizes, reverse=True):
         stream.wait_stream(torch.cuda.current_stream())
@@ -40,7 +44,7 @@ def capture_graphs(sizes: Iterable, run: Callable, what: str) -> dict:
                 run(size)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             run(size)
         graphs[size] = graph
         log.info("%s captured for %s (%.1f s so far)", what, size, time.perf_counter() - start)

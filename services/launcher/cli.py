@@ -65,6 +65,8 @@ LLM_FLAGS = (
     "quantize",
     "prefill",
     "skinny_gemv",
+    "lanes",
+    "prefill_sms",
     "enforce_eager",
 )
 GATEWAY_FLAGS = (

@@ -16,6 +16,7 @@ from services.common.config import (
     ServerConfig,
 )
 from services.common.flags import flag, nested, parse_config
+from services.llm.lane import LANES
 from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS
 
 DEFAULT_PORT = MESH_PORTS["llm"]
@@ -90,6 +91,21 @@ class NativeEngineConfig:
         "H200 against 1.43x); larger batches keep cuBLAS; --no-skinny-gemv keeps cuBLAS for all "
         "(default %(default)s)",
     )
+    lanes: str = flag(
+        "--lanes",
+        default="shared",
+        choices=LANES,
+        help="shared: one engine step carries the prompts and the decodes together (decodes ride in the "
+        "prompt's rows, and wait through it for their next token); split: prefill and decode run as two "
+        "lanes at once, on CUDA on disjoint SMs (--prefill-sms), so a decode never waits for a prompt "
+        "(services/llm/split_loop.py); on the CPU the two lanes take turns (default %(default)s)",
+    )
+    prefill_sms: int = flag(
+        "--prefill-sms",
+        default=0,
+        help="with --lanes split on CUDA, the SMs the prefill lane may use (the driver rounds up to its "
+        "granularity, 8 on Hopper); the decode lane has the rest; 0 = half the device (default %(default)s)",
+    )
     enforce_eager: bool = flag(
         "--enforce-eager",
         default=False,
@@ -119,6 +135,10 @@ class NativeEngineConfig:
             problems.append(f"--kv-page-size {self.kv_page_size} must be 0 (auto) or a power of two")
         if self.kv_cache_gib < 0:
             problems.append(f"--kv-cache-gib {self.kv_cache_gib} must be >= 0")
+        if self.prefill_sms < 0:
+            problems.append(f"--prefill-sms {self.prefill_sms} must be >= 0 (0: half the device)")
+        if self.prefill_sms and self.lanes != "split":
+            problems.append(f"--prefill-sms {self.prefill_sms} needs --lanes split")
         if not 0 < self.gpu_memory_utilization <= 1:
             problems.append(f"--gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1]")
         if problems:

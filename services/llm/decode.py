@@ -95,9 +95,11 @@ class DecodeStep:
             end.record()
             self.timings.append((b, start, end))
 
-    def capture(self, max_len: int) -> None:
-        """Compile (on first use) and capture one graph per bucket (services/common/buckets.py).
+    def capture(self, max_len: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Compile (on first use) and capture one graph per bucket (services/common/buckets.py),
+        on `stream` when given (the decode lane's SMs).
 
         The inputs must hold valid rows (the null page: zeros do) while capturing.
         """
-        self._graphs = capture_graphs(self.buckets, lambda b: self.forward(b, max_len), "decode step, batch")
+        run = lambda b: self.forward(b, max_len)  # noqa: E731
+        self._graphs = capture_graphs(self.buckets, run, "decode step, batch", stream)

@@ -1,5 +1,8 @@
 """The native llm engine: `schedule -> run -> postprocess` on one dedicated thread.
 
+With `--lanes split` the thread keeps a prefill step and a decode step in flight at once
+(services/llm/split_loop.py); the bookkeeping around a step (`_begin`, `_complete`) is the same.
+
 It implements the Engine interface (services/llm/interface.py) without gRPC: `submit`
 builds a Request and streams its `Output`s to the caller's event loop; `abort` stops a
 request within one step and frees its batch place and KV pages. Features that alias the
@@ -25,6 +28,7 @@ from services.llm.interface import EngineStats, Job, Leases
 from services.llm.request import Finish, Output, Request
 from services.llm.runner import ModelRunner
 from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS, Plan, Scheduler
+from services.llm.split_loop import run_split
 from services.llm.step_trace import StepTrace
 from services.llm.submit import QueuedSubmission, new_request, queued_emit
 from services.model.prompt import PromptBuilder
@@ -60,7 +64,8 @@ class NativeEngine:
         self.eos = set(runner.spec.text.eos_token_ids)
         self._trace = StepTrace(step_trace) if step_trace else None
         if self._trace:
-            runner.fetch.timed = True  # each step's device span, for the trace
+            for lane in runner.lanes.values():
+                lane.fetch.timed = True  # each step's device span, for the trace
         sched = self.scheduler
         KV_SLOTS.labels("used").set_function(lambda: len(sched.running))
         KV_SLOTS.labels("free").set_function(lambda: sched.free_places)
@@ -123,9 +128,20 @@ class NativeEngine:
             req = next((r for r in self.scheduler.running if r.id == request_id), None)
         if req is not None:
             req.aborted = True
-            self._finish(req, Finish.ABORT)
+            if not req.in_flight:  # else its step may still write its pages: it ends when that step does
+                self._finish(req, Finish.ABORT)
 
     def _loop(self) -> None:
+        if self.runner.split:
+            run_split(self)  # services/llm/split_loop.py: a prefill and a decode step in flight at once
+        else:
+            self._run_shared()
+        for req in list(self.scheduler.running) + self.scheduler.all_waiting():
+            self._finish(req, Finish.ABORT, "the llm server is shutting down")
+        if self._trace:
+            self._trace.close()
+
+    def _run_shared(self) -> None:
         while not self._stop:
             self._drain_inbox()
             plan = self.scheduler.schedule()
@@ -138,16 +154,26 @@ class NativeEngine:
             try:
                 self._step(plan)
             except Exception as err:  # fail the step's requests, keep serving the rest
-                log.exception("engine step failed")
-                for req in [c.req for c in plan.prefill] + plan.decode:
-                    if req.running:
-                        self._finish(req, Finish.ERROR, f"engine step failed: {type(err).__name__}: {err}")
-        for req in list(self.scheduler.running) + self.scheduler.all_waiting():
-            self._finish(req, Finish.ABORT, "the llm server is shutting down")
-        if self._trace:
-            self._trace.close()
+                self._fail([c.req for c in plan.prefill] + plan.decode, err)
+
+    def _fail(self, reqs: list[Request], err: Exception) -> None:
+        log.exception("engine step failed")
+        for req in reqs:
+            req.in_flight = False
+            if req.running:
+                self._finish(req, Finish.ERROR, f"engine step failed: {type(err).__name__}: {err}")
 
     def _step(self, plan: Plan) -> None:
+        launched = self._begin(plan)
+        if launched is None:
+            return
+        chunks, decodes, start = launched
+        lane = self.runner.launch(chunks, decodes, self.runner.prefill_lane)
+        self._complete(chunks, decodes, lane, start)
+
+    def _begin(self, plan: Plan) -> tuple[list, list[Request], float] | None:
+        """A plan's bookkeeping before its launch: what it runs (chunks whose leases hold, decodes
+        still running) and when, or None when nothing is left to run."""
         now = time.perf_counter()
         for req in plan.preempted:  # it resumes by recomputing what its pages held
             PREEMPTIONS.labels("llm", req.qos.wire).inc()
@@ -162,11 +188,20 @@ class NativeEngine:
         chunks = [c for c in plan.prefill if self._leases_hold(c.req, c.start)]  # not reclaimed while it waited
         decodes = [r for r in plan.decode if r.running]
         if not chunks and not decodes:
-            return
+            return None
         if decodes:
             BATCH_SIZE.labels("llm").observe(len(decodes))
-        launched = time.perf_counter()
-        tokens = self.runner.step(chunks, decodes)  # ends with a host sync: the step's reads are done
+        return chunks, decodes, time.perf_counter()
+
+    def _complete(self, chunks: list, decodes: list[Request], lane, launched: float) -> None:
+        """A launched step's end: wait for its tokens (the host sync: its reads are done), then
+        register its prompt pages, release the features it read, and hand out the tokens."""
+        tokens = lane.fetch.wait()
+        held = [c.req for c in chunks] + decodes
+        for req in held:
+            req.in_flight = False
+            if req.aborted and req.running:  # cancelled while in flight: its pages were kept till now
+                self._finish(req, Finish.ABORT)
         for c in chunks:
             self.scheduler.computed(c.req)  # its full prompt pages, for the prompts after it
             if c.req.leases and c.req.computed >= c.req.features_end and self._leases_hold(c.req, 0):
@@ -179,10 +214,10 @@ class NativeEngine:
         self._postprocess(completed + decodes, tokens)
         if self._trace:
             rows = sum(c.end - c.start for c in chunks)
-            fetch = self.runner.fetch
+            fetch = lane.fetch
             device = fetch.device_ms()
             self._trace.record(
-                launched, done, time.perf_counter(), rows, len(chunks), len(decodes), fetch.marked_at, device
+                launched, done, time.perf_counter(), rows, len(chunks), len(decodes), fetch.marked_at, device, lane.name
             )
 
     def _leases_hold(self, req: Request, start: int) -> bool:

@@ -60,6 +60,8 @@ def build_native(
         cfg.quantize,
         packed,
         cfg.skinny_gemv,
+        cfg.lanes,
+        cfg.prefill_sms,
     )
     return NativeEngine(
         runner, max_batch, prompts, default_max_tokens, cfg.max_prefill_tokens, cfg.prefix_cache, cfg.step_trace

@@ -24,6 +24,7 @@ class TokenFetch:
         self.timed = False
         self.marked_at = 0.0  # host clock (time.perf_counter) at mark(), when timed
         self._marked = False
+        self._n, self._tokens = 0, []
 
     def mark(self) -> None:
         """The step's device work starts now (call before its first upload or launch)."""
@@ -33,16 +34,31 @@ class TokenFetch:
             if self._marked:
                 self._start.record()
 
+    def start(self, tokens: torch.Tensor | None) -> None:
+        """Queue the step's tokens' copy to the host and the event that ends the step (no sync)."""
+        if self._done is None:  # CPU: the tensor is already there
+            self._tokens = [] if tokens is None else tokens.tolist()
+            return
+        self._n = 0 if tokens is None else tokens.shape[0]
+        if self._n:
+            self._host[: self._n].copy_(tokens, non_blocking=True)
+        self._done.record()
+
+    def ready(self) -> bool:
+        """Whether the started step has ended (its tokens can be read without waiting)."""
+        return self._done is None or self._done.query()
+
+    def wait(self) -> list[int]:
+        """The started step's tokens, once it has ended (the host sync)."""
+        if self._done is None:
+            return self._tokens
+        self._done.synchronize()
+        return self._host[: self._n].tolist()
+
     def fetch(self, tokens: torch.Tensor | None) -> list[int]:
         """The step's tokens (None: it sampled none, but still ends when its work does)."""
-        if self._done is None:  # CPU: the tensor is already there
-            return [] if tokens is None else tokens.tolist()
-        n = 0 if tokens is None else tokens.shape[0]
-        if n:
-            self._host[:n].copy_(tokens, non_blocking=True)
-        self._done.record()
-        self._done.synchronize()
-        return self._host[:n].tolist()
+        self.start(tokens)
+        return self.wait()
 
     def device_ms(self) -> float | None:
         """The last timed step's device span, mark to end (None on the CPU or when not timed)."""

@@ -251,9 +251,9 @@ class PackedStep:
         else:
             graph.replay()
 
-    def capture(self, fallback: bool = False) -> PackedStep | None:
+    def capture(self, fallback: bool = False, stream: torch.cuda.Stream | None = None) -> PackedStep | None:
         """Compile and capture graphs per row bucket and decode rows, flex's and a fresh prompt's
-        (services/common/buckets.py); returns self.
+        (services/common/buckets.py), on `stream` when given (the prefill lane's SMs); returns self.
 
         `fallback`: if compiling or capturing flex's fails, log it and return None (the runner
         then prefills per chunk) instead of raising. If only the fresh prompts' graphs fail, flex
@@ -262,7 +262,9 @@ class PackedStep:
         """
         sizes = [(r, d) for r in self.buckets for d in (0, *self.decode_sizes) if d < r]
         try:
-            self._graphs = capture_graphs([(*s, False) for s in sizes], self.forward, "packed step, (rows, decodes, -)")
+            self._graphs = capture_graphs(
+                [(*s, False) for s in sizes], self.forward, "packed step, (rows, decodes, -)", stream
+            )
         except Exception:
             if not fallback:
                 raise
@@ -270,7 +272,9 @@ class PackedStep:
             return None
         if self.fresh_sdpa:
             try:
-                fresh = capture_graphs([(*s, True) for s in sizes], self.forward, "packed step, (rows, decodes, fresh)")
+                fresh = capture_graphs(
+                    [(*s, True) for s in sizes], self.forward, "packed step, (rows, decodes, fresh)", stream
+                )
                 self._graphs.update(fresh)
             except Exception:
                 log.exception("a fresh prompt's packed step (SDPA) could not be captured: flex serves every prefill")

@@ -74,6 +74,9 @@ class Request:
     cached_tokens: int = 0
     generator: torch.Generator | None = None
     aborted: bool = False
+    # In a launched step whose tokens are not back yet (`--lanes split`): no other step may plan
+    # it, and preemption may not take its pages, which that step may still write.
+    in_flight: bool = False
     # Copy the features before the prefill reads them: they alias the vision's memory, whose
     # lease ends after the prefill, and this request may be preempted and recomputed later.
     copy_features: bool = False

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from services.llm.attention import FlexDecode, GatherDecode, Span, prefill_attention, prefill_in, prefill_out
 from services.llm.decode import DecodeStep, ban_eos
-from services.llm.fetch import TokenFetch
 from services.llm.kv_cache import KvConfig, PagedKvCache, pool_pages, pool_slots
+from services.llm.lane import Lane, build_lanes
 from services.llm.packed import PackedStep, fixed_words
 from services.llm.request import Request
 from services.llm.sampler import new_generator, sample
@@ -52,10 +52,14 @@ class ModelRunner:
         quantize: str = "none",
         packed: bool | None = None,
         skinny_gemv: bool = True,
+        lanes: str = "shared",
+        prefill_sms: int = 0,
     ) -> None:
         """`packed`: run prefill steps as one packed forward (services/llm/packed.py); by default
         where CUDA graphs are on. Off, a prefill runs per chunk, eagerly (the reference).
-        `skinny_gemv`: the decode step's linears through services/model/gemv.py (else F.linear)."""
+        `skinny_gemv`: the decode step's linears through services/model/gemv.py (else F.linear).
+        `lanes`: split runs prefill and decode as two lanes (services/llm/lane.py), on CUDA on
+        disjoint SMs (`prefill_sms` for the prefill, 0: half); shared runs them in one step."""
         self.spec, self.device, self.dtype = spec, device, dtype
         t = spec.text
         self.max_context, self.max_batch = t.max_context, max_batch
@@ -79,19 +83,25 @@ class ModelRunner:
         self.n_pages = pool_pages(spec, dtype, device, kv, max_batch, own)
         self.kv = PagedKvCache(spec, device, dtype, self.n_pages, kv.page_size)
         # Decode inputs at fixed addresses: tokens, positions, block tables, EOS-ban flags; then
-        # the packed step's (services/llm/packed.py), when it runs the prefill.
+        # the packed step's (services/llm/packed.py), when it runs the prefill; then a chunked
+        # prefill's ids, positions, slots, continued chunks' context and per-row values. Split, the
+        # decode's inputs are the decode lane's, the rest the prefill lane's.
         b, p = max_batch, self.max_pages
         auto, packed = packed is None, self.graphs if packed is None else packed
-        rows = max_prefill_tokens + max_batch  # the packed step's: a full budget, every decode riding
-        fixed = b * (3 + p) + (fixed_words(rows, max_batch, self.n_pages) if packed else 0)
-        # Then a chunked prefill's ids, positions, slots, continued chunks' context, per-row values.
-        capacity = fixed + 3 * max_prefill_tokens + max_batch * t.max_context + 8 * max_batch
-        self.staging = Staging(capacity, fixed, device)
-        views = [self.staging.fixed_view(at, n) for at, n in ((0, b), (b, b), (2 * b, b * p), (b * (2 + p), b))]
+        self.split = lanes == "split"
+        rows = max_prefill_tokens + (0 if self.split else max_batch)  # a full budget, and every decode riding
+        decode_words = b * (3 + p)
+        packed_words = fixed_words(rows, max_batch, self.n_pages) if packed else 0
+        extra = 3 * max_prefill_tokens + max_batch * t.max_context + 8 * max_batch
+        self.lanes = build_lanes(self.split, device, max_batch, decode_words, packed_words, extra, prefill_sms)
+        self.decode_lane = self.lanes["decode" if self.split else "shared"]
+        self.prefill_lane = self.lanes["prefill" if self.split else "shared"]
+        views = [
+            self.decode_lane.staging.fixed_view(at, n) for at, n in ((0, b), (b, b), (2 * b, b * p), (b * (2 + p), b))
+        ]
         self._tok, self._pos, tab, self._ban = (host for host, _ in views)
         self._tab = tab.reshape(b, p)
         tok, pos, tables, ban = (dev for _, dev in views)
-        self.fetch = TokenFetch(max_batch, cuda)  # the step's tokens back: one copy, one sync
         linear = gemv.linear if skinny_gemv else F.linear
         if self.graphs:
             attn = FlexDecode(kv.page_size, t.heads, t.kv_heads, self.n_pages, max_batch, device, linear=linear)
@@ -100,79 +110,99 @@ class ModelRunner:
         inputs = (tok, pos, tables.view(b, p), ban)
         self.decode = DecodeStep(self.model, self.kv, attn, self.rope, inputs, self.eos, max_batch)
         self.packed = None
-        if packed:
-            at = b * (3 + p)
+        if packed:  # split, no decode rides in its rows: the decode lane runs them beside it
             self.packed = PackedStep(
                 self.model,
                 self.kv,
                 self.rope,
-                self.staging,
-                at,
+                self.prefill_lane.staging,
+                0 if self.split else decode_words,
                 self.eos,
                 rows,
                 max_batch,
-                self.decode,
+                None if self.split else self.decode,
                 self._prefill_in,
                 self._prefill_out,
             )
-        if self.graphs:
-            self.decode.capture(max_len=kv.page_size)
+        if self.graphs:  # each lane's graphs on its own stream: a graph keeps the SMs it was captured on
+            self.decode.capture(kv.page_size, self.decode_lane.stream)
             if self.packed is not None:
-                self.packed = self.packed.capture(fallback=auto)
+                self.packed = self.packed.capture(fallback=auto, stream=self.prefill_lane.stream)
         log.info(
-            "decoder loaded: %d layers x %d, %s on %s; decode %s; prefill %s",
+            "decoder loaded: %d layers x %d, %s on %s; lanes %s; decode %s; prefill %s",
             *(t.layers, t.hidden, dtype, device),
+            ", ".join(f"{n} on {lane.sms or 'all'} SMs" for n, lane in self.lanes.items()),
             f"graph-captured for batches {self.decode.buckets}" if self.graphs else "eager",
             "per chunk" if self.packed is None else f"packed, graph-captured in row buckets {self.packed.buckets}",
         )
 
     # ---- the step ----
-    @torch.inference_mode()
     def step(self, chunks: list[Chunk], decodes: list[Request]) -> list[int]:
-        """Run the planned chunks and decodes; return one token for each completing chunk, then each decode."""
+        """Run the planned chunks and decodes and wait for them; return one token for each
+        completing chunk, then each decode. Split, the two lanes run at once."""
+        if not self.split:
+            return self.launch(chunks, decodes, self.prefill_lane).fetch.wait()
+        lanes = [self.launch(chunks, [], self.prefill_lane)] if chunks else []
+        if decodes:
+            lanes.append(self.launch([], decodes, self.decode_lane))
+        return [token for lane in lanes for token in lane.fetch.wait()]
+
+    @torch.inference_mode()
+    def launch(self, chunks: list[Chunk], decodes: list[Request], lane: Lane) -> Lane:
+        """Queue the planned chunks and decodes on `lane`, without a host sync; returns it:
+        `lane.fetch.wait()` gives one token for each completing chunk, then each decode.
+
+        Until then the lane's inputs must not be staged again, and its requests' pages must not
+        be given to another step (the engine holds them: `Request.in_flight`).
+        """
         sampled = [c.req for c in chunks if c.completes] + decodes
         if len(sampled) > self.max_batch:  # the scheduler runs at most max_batch sequences
             raise ValueError(f"a step samples {len(sampled)} sequences; this runner holds {self.max_batch}")
-        self.staging.begin()
-        packed = bool(chunks) and self.packed is not None and self.packed.stage(chunks, decodes)
-        riding = packed and self.packed.decode_rows > 0  # the decodes are rows of the packed forward
-        prefill = self._stage_prefill(chunks) if chunks and not packed else None
-        if decodes:
-            self._stage_decode(decodes, self.packed.decode_rows if riding else self.decode.bucket(len(decodes)))
-        greedy = all(r.sampling.greedy for r in sampled)
-        if not greedy:
-            temperature = self.staging.floats([r.sampling.temperature for r in sampled])
-            top_p = self.staging.floats([r.sampling.top_p for r in sampled])
-        self.fetch.mark()
-        self.staging.upload()
-        logits, argmax = [], []  # the completing chunks', then the decodes'
-        completing = len(sampled) - len(decodes)
-        if packed:
-            self._run_packed(chunks)
-            n = len(sampled) if riding else completing
-            logits.append(self.packed.logits[:n])
-            argmax.append(self.packed.greedy[:n])  # taken inside the captured step
-        elif prefill:
-            logits.append(self._prefill(chunks, *prefill))
-            if greedy:
-                argmax.append(logits[-1].argmax(-1))
-        if decodes and not riding:
-            self.decode.run(len(decodes), max_len=max(r.computed for r in decodes) + 1)
-            logits.append(self.decode.logits[: len(decodes)])
-            argmax.append(self.decode.greedy[: len(decodes)])
-        if not sampled:
-            tokens = None
-        elif greedy:
-            tokens = argmax[0] if len(argmax) == 1 else torch.cat(argmax)
-        else:
-            gens = [None if r.sampling.greedy else r.generator for r in sampled]
-            any_top_p = any(r.sampling.top_p < 1.0 for r in sampled)
-            tokens = sample(torch.cat(logits), temperature, top_p, gens, any_top_p)
-        for c in chunks:
-            c.req.computed = c.end
-        for r in decodes:
-            r.computed += 1
-        return self.fetch.fetch(tokens)
+        if decodes and lane is not self.decode_lane:
+            raise ValueError(f"the {lane.name} lane runs no decodes")
+        staging = lane.staging
+        with lane.on():
+            staging.begin()
+            packed = bool(chunks) and self.packed is not None and self.packed.stage(chunks, decodes)
+            riding = packed and self.packed.decode_rows > 0  # the decodes are rows of the packed forward
+            prefill = self._stage_prefill(chunks, staging) if chunks and not packed else None
+            if decodes:
+                self._stage_decode(decodes, self.packed.decode_rows if riding else self.decode.bucket(len(decodes)))
+            greedy = all(r.sampling.greedy for r in sampled)
+            if not greedy:
+                temperature = staging.floats([r.sampling.temperature for r in sampled])
+                top_p = staging.floats([r.sampling.top_p for r in sampled])
+            lane.fetch.mark()
+            staging.upload()
+            logits, argmax = [], []  # the completing chunks', then the decodes'
+            completing = len(sampled) - len(decodes)
+            if packed:
+                self._run_packed(chunks)
+                n = len(sampled) if riding else completing
+                logits.append(self.packed.logits[:n])
+                argmax.append(self.packed.greedy[:n])  # taken inside the captured step
+            elif prefill:
+                logits.append(self._prefill(chunks, *prefill))
+                if greedy:
+                    argmax.append(logits[-1].argmax(-1))
+            if decodes and not riding:
+                self.decode.run(len(decodes), max_len=max(r.computed for r in decodes) + 1)
+                logits.append(self.decode.logits[: len(decodes)])
+                argmax.append(self.decode.greedy[: len(decodes)])
+            if not sampled:
+                tokens = None
+            elif greedy:
+                tokens = argmax[0] if len(argmax) == 1 else torch.cat(argmax)
+            else:
+                gens = [None if r.sampling.greedy else r.generator for r in sampled]
+                any_top_p = any(r.sampling.top_p < 1.0 for r in sampled)
+                tokens = sample(torch.cat(logits), temperature, top_p, gens, any_top_p)
+            for c in chunks:
+                c.req.computed = c.end
+            for r in decodes:
+                r.computed += 1
+            lane.fetch.start(tokens)
+        return lane
 
     def _run_packed(self, chunks: list[Chunk]) -> None:
         """The staged packed step: embeddings and features into its input rows, then the forward."""
@@ -196,7 +226,7 @@ class ModelRunner:
             self._ban[i] = len(r.output_ids) < r.sampling.min_tokens
 
     # ---- prefill ----
-    def _stage_prefill(self, chunks: list[Chunk]):
+    def _stage_prefill(self, chunks: list[Chunk], staging: Staging):
         ids, positions, slots, spans, last_rows, bans = [], [], [], [], [], []
         row = 0
         for c in chunks:
@@ -208,19 +238,19 @@ class ModelRunner:
             slots.append(pool_slots(req.blocks, pos, self.page_size))
             context = None
             if c.start > 0:  # attends to earlier positions, already in the pool
-                context = self.staging.ints(pool_slots(req.blocks, np.arange(c.end), self.page_size))
+                context = staging.ints(pool_slots(req.blocks, np.arange(c.end), self.page_size))
             spans.append(Span(row, c.end - c.start, c.start, context))
             row += c.end - c.start
             if c.completes:
                 last_rows.append(row - 1)
                 bans.append(len(req.output_ids) < req.sampling.min_tokens)
         return (
-            self.staging.ints(ids),
-            self.staging.ints(np.concatenate(positions)),
-            self.staging.ints(np.concatenate(slots)),
+            staging.ints(ids),
+            staging.ints(np.concatenate(positions)),
+            staging.ints(np.concatenate(slots)),
             spans,
-            self.staging.ints(last_rows) if last_rows else None,
-            self.staging.ints(bans) if last_rows else None,
+            staging.ints(last_rows) if last_rows else None,
+            staging.ints(bans) if last_rows else None,
         )
 
     def _prefill(self, chunks: list[Chunk], ids, positions, slots, spans, last_rows, bans) -> torch.Tensor:

@@ -6,7 +6,9 @@ Each step it plans a `Plan`, the contract with the model runner:
   requests admitted in QoS order (class, aged by waiting time, then arrival). A prompt
   longer than what is left of the budget is split, and its next chunk comes next step;
 - **decodes**: one token for every running request whose prefill is complete. Decodes run
-  every step, beside whatever prefill the step holds, so they never stall behind a prompt.
+  every step, beside whatever prefill the step holds. With `--lanes split` the engine asks for
+  the two apart (`schedule(decodes=False)`, `decodable`), and a request in flight in one lane's
+  step is left out of the other's plans and never preempted.
 
 A request is admitted when a batch place is free (at most `max_batch` run at once) and the
 pool has pages for its whole sequence (prompt + max_new); it holds them until it finishes.
@@ -102,11 +104,15 @@ class Scheduler:
     def free_places(self) -> int:
         return self.max_batch - len(self.running)
 
-    def schedule(self) -> Plan:
+    def schedule(self, decodes: bool = True) -> Plan:
+        """The next step's plan; `decodes` False: its prefill alone (the prefill lane's, `--lanes
+        split`). Requests in flight in another lane's step are left out of it."""
         plan = Plan()
         budget = self.max_prefill_tokens
         decoding = []
         for req in self.running:  # prompts already part-way through their prefill go on first
+            if req.in_flight:
+                continue
             if not req.prefilling:
                 decoding.append(req)
             elif budget > 0:
@@ -120,8 +126,12 @@ class Scheduler:
             plan.prefill = [c for c in plan.prefill if id(c.req) not in gone]
             plan.admitted = [r for r in plan.admitted if id(r) not in gone]
             decoding = [r for r in decoding if id(r) not in gone]
-        plan.decode = decoding
+        plan.decode = decoding if decodes else []
         return plan
+
+    def decodable(self) -> list[Request]:
+        """The decode lane's next step: every running request past its prefill and not in flight."""
+        return [r for r in self.running if not r.prefilling and not r.in_flight]
 
     def _admit(self, plan: Plan, budget: int) -> int:
         now = self.clock()
@@ -196,7 +206,9 @@ class Scheduler:
             return None
         rank = self._class(head, now)
         candidates = [
-            r for r in self.running if r.qos is QosLevel.BEST_EFFORT and self._class(r, now) > rank and not r.aborted
+            r
+            for r in self.running
+            if r.qos is QosLevel.BEST_EFFORT and self._class(r, now) > rank and not r.aborted and not r.in_flight
         ]
         return min(candidates, key=lambda r: (len(r.output_ids), -r.arrival), default=None)
 

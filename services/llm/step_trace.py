@@ -41,9 +41,12 @@ class StepTrace:
         decodes: int,
         marked: float = 0.0,
         device_ms: float | None = None,
+        lane: str = "shared",
     ) -> None:
         """One step's clock readings (time.perf_counter) and what it carried; `marked` (the host
-        clock at its first device work) and `device_ms` where the device timed it."""
+        clock at its first device work) and `device_ms` where the device timed it; the lane it ran
+        in (services/llm/lane.py: with two, their steps overlap, and `gap_ms` is since the last
+        step of either lane ended)."""
         row = {
             "t": round(launched, 6),
             "gap_ms": round((launched - self._last_end) * 1e3, 3),
@@ -52,6 +55,7 @@ class StepTrace:
             "prompts": prompts,
             "prompt_rows": rows,
             "decodes": decodes,
+            "lane": lane,
         }
         if device_ms is not None:
             row["stage_ms"] = round((marked - launched) * 1e3, 3)

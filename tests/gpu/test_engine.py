@@ -208,6 +208,54 @@ def test_cancel_and_preemption_give_every_page_back(bf16_parts):
     assert_idle(parts)
 
 
+def test_split_lanes_give_the_shared_lanes_tokens_and_every_page_back_fp32(cut_preset):
+    """--lanes split: prefill and decode on disjoint SMs at once, each lane's graphs captured on
+    its own partition. The same greedy tokens as one shared lane (fp32), prompts arriving while
+    others decode; then cancels and a preemption while steps are in flight give every page back."""
+    from services.llm.config import NativeEngineConfig
+    from services.llm.sm_partition import device_sms
+
+    cases = [(image_bytes(300 + i), CASES[i % len(CASES)][1]) for i in range(12)]
+    answers = {}
+    for lanes in ("shared", "split"):
+        native = NativeEngineConfig(lanes=lanes, max_prefill_tokens=1024)
+        parts = Parts(cut_preset, max_batch=8, device="cuda", dtype="float32", native=native)
+        try:
+            runner = parts.engine.runner
+            if lanes == "split":
+                pre, dec = runner.prefill_lane, runner.decode_lane
+                assert pre.stream is not None and dec.stream is not None
+                assert 0 < pre.sms and 0 < dec.sms and pre.sms + dec.sms <= device_sms(runner.device)
+                assert runner.packed is not None and runner.packed.decode is None  # no decode rides in a prompt
+            answers[lanes] = ours(parts, cases)
+            assert_idle(parts)
+            if lanes == "split":
+                long = [
+                    parts.request(400 + i, CASES[i][1], QosLevel.BEST_EFFORT, max_tokens=300, min_tokens=300)
+                    for i in range(8)
+                ]
+                for req, _ in long:
+                    parts.engine.add(req)
+                deadline = time.monotonic() + 60
+                while min(len(box["ids"]) for _, box in long) < 3:  # all 8 places busy, decoding
+                    assert time.monotonic() < deadline
+                    time.sleep(0.002)
+                realtime = parts.request(500, CASES[0][1], QosLevel.REALTIME, max_tokens=8, min_tokens=8)
+                parts.run(realtime)  # takes a place from a best-effort request not in flight
+                for req, _ in long[:3]:
+                    parts.engine.abort(req.id)  # mostly mid-step: they end when their step does
+                for _, box in long:
+                    assert box["done"].wait(120)
+                assert realtime[1]["finish"] is Finish.LENGTH
+                assert sum(bool(req.preempted_at) for req, _ in long) == 1
+                assert [box["finish"] for _, box in long[:3]] == [Finish.ABORT] * 3
+                assert all(box["finish"] is Finish.LENGTH and len(box["ids"]) == 300 for _, box in long[3:])
+                assert_idle(parts)
+        finally:
+            parts.engine.stop()
+    assert answers["split"] == answers["shared"]
+
+
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_the_quantized_7b_cut_runs_through_graphs_and_the_demo_model_still_sees(cut_preset, quantize):
     """--quantize on CUDA: the compiled, graph-captured step runs on torchao's weights, and the

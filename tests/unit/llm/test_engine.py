@@ -26,9 +26,13 @@ def assert_idle(engine) -> None:
     assert pages.free == pages.capacity
 
 
-@pytest.fixture(scope="module")
-def parts(tiny_model):
-    p = Parts(tiny_model, max_batch=3)
+@pytest.fixture(scope="module", params=["shared", "split"])
+def parts(tiny_model, request):
+    """Both lane layouts (services/llm/lane.py): split, the two lanes take turns on the CPU, through
+    the same loop as on CUDA (services/llm/split_loop.py)."""
+    from services.llm.config import NativeEngineConfig
+
+    p = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(lanes=request.param))
     yield p
     p.engine.stop()
 
@@ -218,8 +222,8 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(parts, mo
     runner = parts.engine.runner
     real = runner._stage_prefill
 
-    def broken(chunks):
-        real(chunks)  # staged half a step's inputs, then failed
+    def broken(*args):
+        real(*args)  # staged half a step's inputs, then failed
         raise RuntimeError("device lost its mind")
 
     monkeypatch.setattr(runner, "_stage_prefill", broken)

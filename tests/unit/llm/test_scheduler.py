@@ -26,6 +26,7 @@ class FakeRequest:
         self.page_keys = keys or []  # the prefix cache's page keys (none: nothing is shared)
         self.registered = self.cached_tokens = 0
         self.aborted, self.computed, self.prefill_target = False, 0, 0
+        self.in_flight = False
         self.blocks: list[int] = []
         self.output_ids: list[int] = []
         self.preempted_at: list[float] = []
@@ -135,6 +136,39 @@ def test_realtime_preempts_the_best_effort_request_with_least_work():
     resumed = sched.schedule()
     assert [r.id for r in resumed.admitted] == ["be-b"]
     assert resumed.prefill[0].req.prefill_target == 10 + 5  # prompt and the tokens it had: recomputed
+
+
+def test_split_lanes_plan_apart_and_leave_out_what_is_in_flight():
+    """--lanes split: the prefill lane's plan carries no decodes; the decode lane's is every request
+    past its prefill; a request in another lane's launched step is in neither, nor preempted."""
+    clock = [0.0]
+    sched = scheduler(max_batch=3, budget=30, clock=lambda: clock[0])
+    reqs = {rid: FakeRequest(rid, QosLevel.BEST_EFFORT, clock[0]) for rid in ("be-a", "be-b")}
+    for r in reqs.values():
+        sched.add(r)
+    run_plan(sched.schedule())  # both prefilled: one place left
+    long = FakeRequest("long", QosLevel.STANDARD, clock[0], prompt=70)
+    sched.add(long)
+    first = sched.schedule(decodes=False)
+    assert [(c.req.id, c.start, c.end) for c in first.prefill] == [("long", 0, 30)] and first.decode == []
+    assert sorted(r.id for r in sched.decodable()) == ["be-a", "be-b"]  # not "long": still prefilling
+    long.in_flight = True  # its first chunk launched: its next one waits for it
+    run_plan(first)
+    assert sched.schedule(decodes=False).empty
+    long.in_flight = False
+    assert [(c.start, c.end) for c in sched.schedule(decodes=False).prefill] == [(30, 60)]
+    long.in_flight = True  # that chunk is in flight in the prefill lane...
+    for r in reqs.values():  # ...and both best-effort requests in the decode lane's step
+        r.in_flight = True
+    assert sched.decodable() == []
+    clock[0] += 0.5
+    sched.add(FakeRequest("rt", QosLevel.REALTIME, clock[0]))
+    waits = sched.schedule(decodes=False)
+    assert waits.preempted == [] and [c.req.id for c in waits.prefill] == []  # no victim that is not in flight
+    reqs["be-b"].in_flight = False
+    taken = sched.schedule(decodes=False)
+    assert [r.id for r in taken.preempted] == ["be-b"]
+    assert [c.req.id for c in taken.prefill] == ["rt"] and taken.decode == []
 
 
 def test_only_realtime_preempts_and_only_best_effort_is_preempted():
