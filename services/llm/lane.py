@@ -2,8 +2,9 @@
 
 With `--lanes shared` the runner has one lane, and a step carries prompts and decodes together.
 With `--lanes split` it has two, `prefill` and `decode`, each with inputs of its own, so a step of
-each can be in flight at once; on CUDA each lane's stream belongs to a green context of its own
-SMs (services/llm/sm_partition.py) and its graphs are captured there.
+each can be in flight at once. On CUDA the prefill lane's stream belongs to a green context of
+its own SMs (services/llm/sm_partition.py), and its graphs are captured there; the decode lane's
+is a stream of its own on the whole device.
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ class Lane:
 
 
 def default_prefill_sms(total: int) -> int:
-    """Half the device's SMs, in the driver's granularity (8 on Hopper): 64 of the H200's 132.
+    """Three quarters of the device's SMs, in the driver's granularity (8 on Hopper): 96 of the
+    H200's 132.
 
-    On the H200 a prefill of one W1 prompt took 23.2 ms on 64 SMs (13.6 on all 132) and the
-    decode step on the other 68 ran at its whole-device time beside it (5.8 against 5.5 ms at
-    batch 8, 5.9 at 16): the decode is bound by memory bandwidth, which 68 SMs still draw.
+    On the H200 (bench.sm_split): one W1 prompt's prefill took 13.2 ms on all 132 SMs, 19.8 on 96,
+    23.2 on 64; beside it the decode step, captured on the whole device, ran at its whole-device
+    time (5.44 against 5.46 ms at batch 8, 5.89 against 5.88 at 16), where confined to the other
+    36 SMs it took 8.6-10.9. So only the prefill is confined.
     """
-    return max(8, total // 2 // 8 * 8)
+    return max(8, total * 3 // 4 // 8 * 8)
 
 
 def build_lanes(
@@ -55,27 +58,23 @@ def build_lanes(
     """The runner's lanes: their staging buffers hold the decode step's fixed inputs (`decode_words`),
     the packed step's (`packed_words`) and `extra_words` for a step's other values.
 
-    Split on CUDA: the prefill lane on `prefill_sms` SMs (0: `default_prefill_sms`), the decode
-    lane on the rest. RuntimeError where the device cannot be split.
+    Split on CUDA: the prefill lane on a green context of `prefill_sms` SMs (0:
+    `default_prefill_sms`); the decode lane on a stream of its own, of high priority, on the whole
+    device: its kernels take the SMs the prefill leaves, and room beside the prefill's blocks.
+    RuntimeError where the device cannot be split.
     """
     cuda = device.type == "cuda"
     if not split:
         fixed = decode_words + packed_words
-        return {
-            "shared": Lane("shared", None, Staging(fixed + extra_words, fixed, device), TokenFetch(max_batch, cuda))
-        }
-    streams, sms, keep = (None, None), (0, 0), ()
+        return {"shared": Lane("shared", None, Staging(fixed + extra_words, fixed, device), TokenFetch(max_batch, cuda))}
+    prefill = Lane("prefill", None, Staging(packed_words + extra_words, packed_words, device), TokenFetch(max_batch, cuda))
+    decode = Staging(decode_words + 8 * max_batch, decode_words, device)  # and the sampling parameters
+    lanes = {"prefill": prefill, "decode": Lane("decode", None, decode, TokenFetch(max_batch, cuda))}
     if cuda:
         from services.llm.sm_partition import device_sms, split_sms
 
-        pre, rest = split_sms(prefill_sms or default_prefill_sms(device_sms(device)), device)
-        streams, sms, keep = (pre.stream, rest.stream), (pre.sms, rest.sms), (pre, rest)
-    prefill = Staging(packed_words + extra_words, packed_words, device)
-    decode = Staging(decode_words + 8 * max_batch, decode_words, device)  # and the sampling parameters
-    lanes = {
-        "prefill": Lane("prefill", streams[0], prefill, TokenFetch(max_batch, cuda), sms[0]),
-        "decode": Lane("decode", streams[1], decode, TokenFetch(max_batch, cuda), sms[1]),
-    }
-    for lane, part in zip(lanes.values(), keep, strict=False):
-        lane.partition = part
+        total = device_sms(device)
+        part, _ = split_sms(prefill_sms or default_prefill_sms(total), device)
+        prefill.stream, prefill.sms, prefill.partition = part.stream, part.sms, part
+        lanes["decode"].stream = torch.cuda.Stream(device, priority=-1)
     return lanes

@@ -104,9 +104,14 @@ class Scheduler:
     def free_places(self) -> int:
         return self.max_batch - len(self.running)
 
-    def schedule(self, decodes: bool = True) -> Plan:
+    def schedule(self, decodes: bool = True, whole_prompts: bool = False) -> Plan:
         """The next step's plan; `decodes` False: its prefill alone (the prefill lane's, `--lanes
-        split`). Requests in flight in another lane's step are left out of it."""
+        split`). Requests in flight in another lane's step are left out of it.
+
+        `whole_prompts`: a new prompt joins a step that already holds one only if it fits whole
+        (the prefill lane's rule: no decode shares its steps, so filling the budget with the head of
+        the next prompt would only cost it a chunk of its own, and its fresh-prompt path).
+        """
         plan = Plan()
         budget = self.max_prefill_tokens
         decoding = []
@@ -120,7 +125,7 @@ class Scheduler:
                 plan.prefill.append(Chunk(req, req.computed, end))
                 budget -= end - req.computed
         if self._waiting and budget > 0:
-            budget = self._admit(plan, budget)
+            budget = self._admit(plan, budget, whole_prompts)
         if plan.preempted:  # a victim's chunk or decode this step is dropped with it
             gone = {id(r) for r in plan.preempted}
             plan.prefill = [c for c in plan.prefill if id(c.req) not in gone]
@@ -133,7 +138,7 @@ class Scheduler:
         """The decode lane's next step: every running request past its prefill and not in flight."""
         return [r for r in self.running if not r.prefilling and not r.in_flight]
 
-    def _admit(self, plan: Plan, budget: int) -> int:
+    def _admit(self, plan: Plan, budget: int, whole_prompts: bool = False) -> int:
         now = self.clock()
         # Sorting a short queue costs less than keeping an aged heap.
         self._waiting.sort(key=lambda r: (self._class(r, now), r.arrival))
@@ -142,6 +147,8 @@ class Scheduler:
             if req.aborted:
                 self._pop()
                 continue
+            if whole_prompts and plan.prefill and req.seq_len > budget:  # (a cached prefix would only shrink it)
+                return budget
             shared = self._cached_prefix(req)
             new_pages = self.blocks.pages_for(self._tokens(req)) - len(shared)
             while not self._room(new_pages, shared):

@@ -171,6 +171,24 @@ def test_split_lanes_plan_apart_and_leave_out_what_is_in_flight():
     assert [c.req.id for c in taken.prefill] == ["rt"] and taken.decode == []
 
 
+def test_whole_prompts_start_no_prompt_in_the_leftover_of_a_step():
+    sched = scheduler(max_batch=4, budget=30)
+    for rid in ("a", "b", "c"):
+        sched.add(FakeRequest(rid, QosLevel.STANDARD, 0.0, prompt=12))
+    whole = sched.schedule(decodes=False, whole_prompts=True)
+    assert [(c.req.id, c.start, c.end) for c in whole.prefill] == [("a", 0, 12), ("b", 0, 12)]  # c: 12 > 6 left
+    run_plan(whole)
+    alone = sched.schedule(decodes=False, whole_prompts=True)
+    assert [(c.req.id, c.start, c.end) for c in alone.prefill] == [("c", 0, 12)]
+    big = scheduler(max_batch=4, budget=30)
+    big.add(FakeRequest("long", QosLevel.STANDARD, 0.0, prompt=50))
+    assert [(c.start, c.end) for c in big.schedule(whole_prompts=True).prefill] == [(0, 30)]  # alone: chunked
+    filled = scheduler(max_batch=4, budget=30)
+    for rid in ("a", "b", "c"):
+        filled.add(FakeRequest(rid, QosLevel.STANDARD, 0.0, prompt=12))
+    assert [c.end - c.start for c in filled.schedule().prefill] == [12, 12, 6]  # the shared lane's rule
+
+
 def test_only_realtime_preempts_and_only_best_effort_is_preempted():
     clock = [0.0]
     sched = scheduler(max_batch=2, clock=lambda: clock[0])
