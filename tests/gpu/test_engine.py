@@ -231,7 +231,7 @@ def test_split_lanes_give_the_shared_lanes_tokens_and_every_page_back_fp32(cut_p
             assert_idle(parts)
             if lanes == "split":
                 long = [
-                    parts.request(400 + i, CASES[i][1], QosLevel.BEST_EFFORT, max_tokens=300, min_tokens=300)
+                    parts.request(400 + i, CASES[i % len(CASES)][1], QosLevel.BEST_EFFORT, max_tokens=300, min_tokens=300)
                     for i in range(8)
                 ]
                 for req, _ in long:
