@@ -64,12 +64,14 @@ def build_lanes(
     RuntimeError where the device cannot be split.
     """
     cuda = device.type == "cuda"
+
+    def lane(name: str, fixed: int, extra: int) -> Lane:
+        return Lane(name, None, Staging(fixed + extra, fixed, device), TokenFetch(max_batch, cuda))
+
     if not split:
-        fixed = decode_words + packed_words
-        return {"shared": Lane("shared", None, Staging(fixed + extra_words, fixed, device), TokenFetch(max_batch, cuda))}
-    prefill = Lane("prefill", None, Staging(packed_words + extra_words, packed_words, device), TokenFetch(max_batch, cuda))
-    decode = Staging(decode_words + 8 * max_batch, decode_words, device)  # and the sampling parameters
-    lanes = {"prefill": prefill, "decode": Lane("decode", None, decode, TokenFetch(max_batch, cuda))}
+        return {"shared": lane("shared", decode_words + packed_words, extra_words)}
+    prefill = lane("prefill", packed_words, extra_words)
+    lanes = {"prefill": prefill, "decode": lane("decode", decode_words, 8 * max_batch)}  # + sampling parameters
     if cuda:
         from services.llm.sm_partition import device_sms, split_sms
 

@@ -7,7 +7,8 @@ reference), packed in one eager forward with one SDPA per chunk. Decodes not in 
 forward run as the decode step (services/llm/decode.py: graph-captured per batch bucket on
 CUDA). Then sampling for every row that wants a token. The host stages all of the
 step's inputs in one buffer and copies it once (services/llm/staging.py); the tokens come
-back in one copy, the step's only host sync.
+back in one copy, the step's only host sync. With `--lanes split` a prefill step and a decode
+step run at once, each in its lane (services/llm/lane.py): its stream, buffer and token copy.
 
 Only the runner changes KV state: `Request.computed`, and the features it copies
 (`copy_features`).
@@ -17,19 +18,18 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from services.llm.attention import FlexDecode, GatherDecode, Span, prefill_attention, prefill_in, prefill_out
+from services.llm.chunked import stage_chunks
 from services.llm.decode import DecodeStep, ban_eos
-from services.llm.kv_cache import KvConfig, PagedKvCache, pool_pages, pool_slots
+from services.llm.kv_cache import KvConfig, PagedKvCache, pool_pages
 from services.llm.lane import Lane, build_lanes
 from services.llm.packed import PackedStep, fixed_words
 from services.llm.request import Request
 from services.llm.sampler import new_generator, sample
 from services.llm.scheduler import Chunk
-from services.llm.staging import Staging
 from services.model import gemv
 from services.model.checkpoint import load_decoder
 from services.model.llama import rope_tables
@@ -165,7 +165,7 @@ class ModelRunner:
             staging.begin()
             packed = bool(chunks) and self.packed is not None and self.packed.stage(chunks, decodes)
             riding = packed and self.packed.decode_rows > 0  # the decodes are rows of the packed forward
-            prefill = self._stage_prefill(chunks, staging) if chunks and not packed else None
+            prefill = stage_chunks(chunks, staging, self.page_size) if chunks and not packed else None
             if decodes:
                 self._stage_decode(decodes, self.packed.decode_rows if riding else self.decode.bucket(len(decodes)))
             greedy = all(r.sampling.greedy for r in sampled)
@@ -226,33 +226,6 @@ class ModelRunner:
             self._ban[i] = len(r.output_ids) < r.sampling.min_tokens
 
     # ---- prefill ----
-    def _stage_prefill(self, chunks: list[Chunk], staging: Staging):
-        ids, positions, slots, spans, last_rows, bans = [], [], [], [], [], []
-        row = 0
-        for c in chunks:
-            req = c.req
-            seq = req.prompt_ids + req.output_ids if req.output_ids else req.prompt_ids
-            ids.extend(seq[c.start : c.end])
-            pos = np.arange(c.start, c.end)
-            positions.append(pos)
-            slots.append(pool_slots(req.blocks, pos, self.page_size))
-            context = None
-            if c.start > 0:  # attends to earlier positions, already in the pool
-                context = staging.ints(pool_slots(req.blocks, np.arange(c.end), self.page_size))
-            spans.append(Span(row, c.end - c.start, c.start, context))
-            row += c.end - c.start
-            if c.completes:
-                last_rows.append(row - 1)
-                bans.append(len(req.output_ids) < req.sampling.min_tokens)
-        return (
-            staging.ints(ids),
-            staging.ints(np.concatenate(positions)),
-            staging.ints(np.concatenate(slots)),
-            spans,
-            staging.ints(last_rows) if last_rows else None,
-            staging.ints(bans) if last_rows else None,
-        )
-
     def _prefill(self, chunks: list[Chunk], ids, positions, slots, spans, last_rows, bans) -> torch.Tensor:
         """Packed chunks -> logits [completing chunks, V] (fp32), EOS banned where min_tokens says."""
         x = self.model.embed_tokens(ids)  # [N, H]

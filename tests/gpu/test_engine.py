@@ -230,10 +230,9 @@ def test_split_lanes_give_the_shared_lanes_tokens_and_every_page_back_fp32(cut_p
             answers[lanes] = ours(parts, cases)
             assert_idle(parts)
             if lanes == "split":
-                long = [
-                    parts.request(400 + i, CASES[i % len(CASES)][1], QosLevel.BEST_EFFORT, max_tokens=300, min_tokens=300)
-                    for i in range(8)
-                ]
+                prompts = [CASES[i % len(CASES)][1] for i in range(8)]
+                be = QosLevel.BEST_EFFORT
+                long = [parts.request(400 + i, p, be, max_tokens=300, min_tokens=300) for i, p in enumerate(prompts)]
                 for req, _ in long:
                     parts.engine.add(req)
                 deadline = time.monotonic() + 60

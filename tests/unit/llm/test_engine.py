@@ -94,6 +94,47 @@ def test_abort_frees_the_slot(parts):
     assert ok[1]["finish"] in (Finish.LENGTH, Finish.STOP)
 
 
+def test_split_lanes_hold_a_cancelled_request_until_its_step_ends(tiny_model):
+    """--lanes split: a cancel that arrives while the request's decode step is in flight ends it
+    only once that step is back, so its pages are never handed on while the step may write them;
+    the prefill lane keeps serving meanwhile."""
+    import threading
+
+    from services.llm.config import NativeEngineConfig
+
+    parts = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(lanes="split"))
+    try:
+        engine = parts.engine
+        gate = threading.Event()
+        gate.set()
+        fetch = engine.runner.decode_lane.fetch
+        fetch.ready = gate.is_set  # the decode lane's steps end when the test says
+        a, b = (parts.request(i, PROMPTS[i], max_tokens=60, min_tokens=60) for i in range(2))
+        engine.add(a[0])
+        engine.add(b[0])
+        deadline = time.monotonic() + 30
+        while len(a[1]["ids"]) < 3 or len(b[1]["ids"]) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        gate.clear()
+        while not a[0].in_flight:  # a decode step holding both is in flight, and stays so
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        pages = engine.scheduler.blocks.free
+        engine.abort(a[0].id)
+        late = parts.request(2, PROMPTS[2], max_tokens=1)  # the prefill lane is not held up
+        parts.run(late)
+        assert late[1]["finish"] is Finish.LENGTH
+        assert not a[1]["done"].is_set() and a[0].running  # its step is in flight: its pages stay
+        assert engine.scheduler.blocks.free == pages
+        gate.set()
+        assert a[1]["done"].wait(30) and a[1]["finish"] is Finish.ABORT
+        assert b[1]["done"].wait(30) and b[1]["finish"] is Finish.LENGTH and len(b[1]["ids"]) == 60
+        assert_idle(engine)
+    finally:
+        parts.engine.stop()
+
+
 def test_random_preset_runs_without_weights(tmp_path):
     """preset:NAME needs no weight files: modules are initialised on the device."""
     from services.model.presets import resolve_model
@@ -219,18 +260,19 @@ def test_realtime_overtakes_a_full_batch_of_best_effort_and_the_preempted_finish
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(parts, monkeypatch):
-    runner = parts.engine.runner
-    real = runner._stage_prefill
+    from services.llm import runner as runner_module
+
+    real = runner_module.stage_chunks
 
     def broken(*args):
         real(*args)  # staged half a step's inputs, then failed
         raise RuntimeError("device lost its mind")
 
-    monkeypatch.setattr(runner, "_stage_prefill", broken)
+    monkeypatch.setattr(runner_module, "stage_chunks", broken)
     failed = [parts.request(8, PROMPTS[0], max_tokens=4) for _ in range(150)]  # more than the staging holds
     parts.run(*failed)
     assert all(box["finish"] is Finish.ERROR for _, box in failed)
-    monkeypatch.setattr(runner, "_stage_prefill", real)
+    monkeypatch.setattr(runner_module, "stage_chunks", real)
     for _ in range(3):  # staging starts afresh each step: no leftovers from the failed ones
         ok = parts.request(8, PROMPTS[0], max_tokens=4)
         parts.run(ok)
