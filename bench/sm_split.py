@@ -4,10 +4,11 @@ The engine's own captured graphs (services/llm/runner.py: the packed prefill of 
 prompt, the decode step of `--batches` sequences at `--context` positions) replayed on the
 streams of two green contexts (services/llm/sm_partition.py): the prefill's `p` SMs and the
 rest. For each split it times, with CUDA events on each lane's stream, each lane alone on its
-SMs, then both at once, and the decode on the whole device beside the prefill on its `p`
-SMs. Each lane's graph is captured on its partition's stream: a graph keeps the SMs of the
-context it was captured in (replayed on a partition, one captured on the whole device ran at
-its whole-device speed). A matmul on the prefill's partition checks that the partition holds.
+SMs, then both at once, and the decode on the whole device beside the prefill on its `p` SMs,
+on a stream of normal and of high priority. Each lane's graph is captured on its partition's
+stream: a graph keeps the SMs of the context it was captured in (replayed on a partition, one
+captured on the whole device ran at its whole-device speed). A matmul on the prefill's partition
+checks that the partition holds.
 
     python -m bench.sm_split [--model preset:llava-7b-shaped] [--prefill-sms 64,80,96,104]
         [--batches 8,16] [--context 640] [--prompt 608] [--out sm_split.json]
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     size = (packed.rows, 0, packed.fresh)
     prefill_graph = packed._graphs[size]
     total, default = device_sms(device), torch.cuda.current_stream()
+    normal, high = torch.cuda.Stream(device), torch.cuda.Stream(device, priority=-1)
 
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
 
@@ -138,9 +140,14 @@ def main(argv: list[str] | None = None) -> None:
             row["prefill_with_ms"], row["decode_with_ms"] = together(
                 on_pre.replay, pre.stream, on_rest.replay, rest.stream, full_p, full_d
             )
-            # The decode captured on the whole device (every SM the prefill leaves it) beside it.
+            # The decode captured on the whole device (every SM the prefill leaves it) beside it, on
+            # a stream of normal priority and of high priority (whose blocks go first wherever an SM
+            # frees, the prefill's own SMs included).
             row["prefill_with_primary_ms"], row["decode_primary_with_ms"] = together(
-                on_pre.replay, pre.stream, decode_graph.replay, default, full_p, full_d
+                on_pre.replay, pre.stream, decode_graph.replay, normal, full_p, full_d
+            )
+            row["prefill_with_high_ms"], row["decode_high_with_ms"] = together(
+                on_pre.replay, pre.stream, decode_graph.replay, high, full_p, full_d
             )
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
@@ -150,15 +157,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nprefill {size} whole device {full_p:.2f} ms; matmul whole device {full_mm:.2f} ms")
     print(
         "| batch | SMs prefill / decode | matmul on prefill's ms | prefill alone | decode alone "
-        "| both: prefill / decode | both, decode on the whole device: prefill / decode |"
+        "| both: prefill / decode | decode on the whole device beside: prefill / decode | the same, decode "
+        "of high priority |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results["rows"]:
         print(
             f"| {r['batch']} | {r['prefill_sms']} / {r['decode_sms']} | {r['matmul_ms']:.2f} "
             f"| {r['prefill_alone_ms']:.2f} | {r['decode_alone_ms']:.2f} (whole {r['full_decode_ms']:.2f}) "
             f"| {r['prefill_with_ms']:.2f} / "
-            f"{r['decode_with_ms']:.2f} | {r['prefill_with_primary_ms']:.2f} / {r['decode_primary_with_ms']:.2f} |"
+            f"{r['decode_with_ms']:.2f} | {r['prefill_with_primary_ms']:.2f} / {r['decode_primary_with_ms']:.2f} "
+            f"| {r['prefill_with_high_ms']:.2f} / {r['decode_high_with_ms']:.2f} |"
         )
 
 

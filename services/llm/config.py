@@ -97,14 +97,16 @@ class NativeEngineConfig:
         choices=LANES,
         help="shared: one engine step carries the prompts and the decodes together (decodes ride in the "
         "prompt's rows, and wait through it for their next token); split: prefill and decode run as two "
-        "lanes at once, on CUDA on disjoint SMs (--prefill-sms), so a decode never waits for a prompt "
-        "(services/llm/split_loop.py); on the CPU the two lanes take turns (default %(default)s)",
+        "lanes at once, on CUDA the prefill on SMs of its own (--prefill-sms) and the decode beside it, so "
+        "a decode never waits for a prompt (services/llm/split_loop.py; an experiment: docs/PERF.md); on "
+        "the CPU the two lanes take turns (default %(default)s)",
     )
     prefill_sms: int = flag(
         "--prefill-sms",
         default=0,
         help="with --lanes split on CUDA, the SMs the prefill lane may use (the driver rounds up to its "
-        "granularity, 8 on Hopper); the decode lane has the rest; 0 = half the device (default %(default)s)",
+        "granularity, 8 on Hopper); the decode lane runs on the whole device beside it; 0 = three quarters "
+        "of the device (default %(default)s)",
     )
     enforce_eager: bool = flag(
         "--enforce-eager",
@@ -136,7 +138,7 @@ class NativeEngineConfig:
         if self.kv_cache_gib < 0:
             problems.append(f"--kv-cache-gib {self.kv_cache_gib} must be >= 0")
         if self.prefill_sms < 0:
-            problems.append(f"--prefill-sms {self.prefill_sms} must be >= 0 (0: half the device)")
+            problems.append(f"--prefill-sms {self.prefill_sms} must be >= 0 (0: three quarters of the device)")
         if self.prefill_sms and self.lanes != "split":
             problems.append(f"--prefill-sms {self.prefill_sms} needs --lanes split")
         if not 0 < self.gpu_memory_utilization <= 1:

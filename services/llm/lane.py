@@ -59,8 +59,12 @@ def build_lanes(
     the packed step's (`packed_words`) and `extra_words` for a step's other values.
 
     Split on CUDA: the prefill lane on a green context of `prefill_sms` SMs (0:
-    `default_prefill_sms`); the decode lane on a stream of its own, of high priority, on the whole
-    device: its kernels take the SMs the prefill leaves, and room beside the prefill's blocks.
+    `default_prefill_sms`); the decode lane on a stream of its own on the whole device: its kernels
+    take the SMs the prefill leaves, and room beside the prefill's blocks. Of normal priority: the
+    probe that found the decode at its whole-device speed beside the prefill ran it so. A stream of
+    high priority may take the SMs that free first, the prefill's own included: the H200 mesh run
+    with one had the prefill at 1.45x its probe time (not yet told apart from the vision's share
+    under MPS; bench.sm_split now times both priorities).
     RuntimeError where the device cannot be split.
     """
     cuda = device.type == "cuda"
@@ -75,8 +79,11 @@ def build_lanes(
     if cuda:
         from services.llm.sm_partition import device_sms, split_sms
 
-        total = device_sms(device)
-        part, _ = split_sms(prefill_sms or default_prefill_sms(total), device)
+        sms = prefill_sms or default_prefill_sms(device_sms(device))
+        try:
+            part, _ = split_sms(sms, device, rest_part=False)
+        except RuntimeError as err:
+            raise RuntimeError(f"--lanes split --prefill-sms {sms}: {err}") from err
         prefill.stream, prefill.sms, prefill.partition = part.stream, part.sms, part
-        lanes["decode"].stream = torch.cuda.Stream(device, priority=-1)
+        lanes["decode"].stream = torch.cuda.Stream(device)
     return lanes

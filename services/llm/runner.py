@@ -58,8 +58,8 @@ class ModelRunner:
         """`packed`: run prefill steps as one packed forward (services/llm/packed.py); by default
         where CUDA graphs are on. Off, a prefill runs per chunk, eagerly (the reference).
         `skinny_gemv`: the decode step's linears through services/model/gemv.py (else F.linear).
-        `lanes`: split runs prefill and decode as two lanes (services/llm/lane.py), on CUDA on
-        disjoint SMs (`prefill_sms` for the prefill, 0: half); shared runs them in one step."""
+        `lanes`: split runs prefill and decode as two lanes (services/llm/lane.py), on CUDA the
+        prefill on `prefill_sms` SMs of its own (0: three quarters); shared runs them in one step."""
         self.spec, self.device, self.dtype = spec, device, dtype
         t = spec.text
         self.max_context, self.max_batch = t.max_context, max_batch

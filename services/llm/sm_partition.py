@@ -3,9 +3,9 @@
 Why: a prefill step is bound by compute (its GEMMs run at 770-790 TFLOP/s on the H200) and a
 decode step by memory bandwidth. Time-shared, every running request waits through each prompt
 step for its next token: at W1's 35 req/s prompt steps took some 58% of the engine's time and the
-P99 followed them (docs/PERF.md). On disjoint SMs the two lanes run at the same time, and a
-decode never waits for a prompt (services/llm/lanes.py). SGLang's PD-multiplexing does the
-same with green contexts.
+P99 followed them (docs/PERF.md). With the prefill on SMs of its own, the two lanes run at the
+same time and a decode never waits for a prompt (services/llm/lane.py, split_loop.py). SGLang's
+PD-multiplexing uses green contexts the same way.
 
 The driver's API through NVIDIA's own Python binding (`cuda.bindings.driver`, the `gpu` extra;
 the GPU hosts have it). torch's `torch.cuda.green_contexts` makes each context from the first
@@ -39,10 +39,11 @@ def _check(result) -> tuple:
     return tuple(values)
 
 
-def split_sms(first: int, device: torch.device) -> tuple[Partition, Partition]:
+def split_sms(first: int, device: torch.device, rest_part: bool = True) -> tuple[Partition, Partition | None]:
     """Two disjoint partitions of the device's SMs: `first` of them (the driver rounds up to its
-    granularity, 8 on Hopper) and all the rest. Raises RuntimeError where the driver, the device
-    or the binding cannot (a clear message: the caller names the flag)."""
+    granularity, 8 on Hopper) and all the rest (None with `rest_part` False: no context is made for
+    them). Raises RuntimeError where the driver, the device or the binding cannot (a clear
+    message: the caller names the flag)."""
     try:
         from cuda.bindings import driver
     except ImportError as err:
@@ -59,7 +60,7 @@ def split_sms(first: int, device: torch.device) -> tuple[Partition, Partition]:
             f"the driver would not split {first} of {total} SMs (granularity {whole.sm.smCoscheduledAlignment})"
         )
     parts = []
-    for resource in (groups[0], rest):
+    for resource in (groups[0], rest) if rest_part else (groups[0],):
         (desc,) = _check(driver.cuDevResourceGenerateDesc([resource], 1))
         flags = driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM
         (ctx,) = _check(driver.cuGreenCtxCreate(desc, dev, flags))
@@ -67,7 +68,7 @@ def split_sms(first: int, device: torch.device) -> tuple[Partition, Partition]:
         (stream,) = _check(driver.cuGreenCtxStreamCreate(ctx, non_blocking, 0))
         handle = int(stream)
         parts.append(Partition(resource.sm.smCount, torch.cuda.ExternalStream(handle, device=device), ctx))
-    return parts[0], parts[1]
+    return parts[0], parts[1] if rest_part else None
 
 
 def device_sms(device: torch.device) -> int:
