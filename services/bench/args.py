@@ -180,8 +180,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         default="",
         metavar="FLAGS",
         help="more `vlmesh up` flags for the mesh the bench starts, as one string, e.g. "
-        "'--switch-interval-ms 0.1 --kv-page-size 64'; the bench's own settings (model, ports, batch sizes, "
-        "prefill budget, ...) win over the same flag here (mesh)",
+        "'--switch-interval-ms 0.1 --kv-page-size 64'; not the ones the bench sets itself (model, ports, "
+        "batch sizes, prefill budget, ...): give those to the bench (mesh)",
     )
     p.add_argument(
         "--closed-loop",
@@ -210,10 +210,53 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     return args
 
 
+class _Unset:
+    """Any flag of the bench, unset: what `mesh_overrides` sets, without the values."""
+
+    def __getattr__(self, name: str) -> None:
+        return None
+
+
+def mesh_overrides(args: argparse.Namespace, http: bool = False) -> dict:
+    """What the bench sets in the mesh it starts, by `vlmesh up` dest; `http`: its HTTP door too."""
+    return dict(
+        metrics_ports=(0, 0, 0),
+        model=args.model,
+        gateway_port=0,
+        vision_port=0,
+        llm_port=0,
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        max_vision_batch=args.max_vision_batch,
+        max_llm_batch=args.max_llm_batch,
+        max_prefill_tokens=args.max_prefill_tokens,
+        feature_cache_mib=args.feature_cache_mib,
+        prefix_cache=args.prefix_cache,
+        quantize=args.quantize,
+        ready_signal=args.ready_signal,
+        event_loop=args.event_loop,
+        warmup_requests=4,
+        log_level="warning",
+        http_port=0 if http else -1,
+        tls_throwaway_ca=args.tls,
+        cuda_mps=args.cuda_mps,
+    )
+
+
 def check_mesh_flags(parser: argparse.ArgumentParser, text: str) -> None:
-    """--mesh-flags must parse as `vlmesh up` flags with valid values (exit 2 naming the problem)."""
+    """--mesh-flags must parse as `vlmesh up` flags with valid values, and leave alone what the bench
+    sets itself (where the bench's value would win unseen): exit 2 naming the problem."""
+    from services.launcher.cli import build_parser as up_parser
     from services.launcher.options import MeshOptions
 
+    options = up_parser()._option_string_actions
+    owned = set(mesh_overrides(_Unset()))
+    for token in shlex.split(text):
+        name = token.split("=", 1)[0]
+        action = options.get(name)
+        if action is not None and action.dest in owned:
+            parser.error(f"argument --mesh-flags: {name} is set by the bench itself (see vlmesh bench --help)")
     try:
         MeshOptions.from_flags(shlex.split(text), model="/checked")
     except SystemExit:  # argparse has said what it does not know

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.bench.args import build_parser, config_of, parse_args
+from services.bench.args import build_parser, config_of, mesh_overrides, parse_args
 from services.bench.load import run_closed_loop, run_open_loop
 from services.bench.report import cache_table, compare_seeds, plot, summarize_run, table, write_json
 from services.bench.workloads import WORKLOADS, RequestFactory
@@ -177,32 +177,7 @@ def serve(name: str, args, say, http: bool = False):
     if name in ("mesh", "mesh-http") and args.gateway is None:
         from services.launcher import Mesh, MeshOptions
 
-        mesh = Mesh(
-            MeshOptions.from_flags(
-                shlex.split(args.mesh_flags),
-                metrics_ports=(0, 0, 0),
-                model=args.model,
-                gateway_port=0,
-                vision_port=0,
-                llm_port=0,
-                device=args.device,
-                dtype=args.dtype,
-                threads=args.threads,
-                max_vision_batch=args.max_vision_batch,
-                max_llm_batch=args.max_llm_batch,
-                max_prefill_tokens=args.max_prefill_tokens,
-                feature_cache_mib=args.feature_cache_mib,
-                prefix_cache=args.prefix_cache,
-                quantize=args.quantize,
-                ready_signal=args.ready_signal,
-                event_loop=args.event_loop,
-                warmup_requests=4,
-                log_level="warning",
-                http_port=0 if http else -1,
-                tls_throwaway_ca=args.tls,
-                cuda_mps=args.cuda_mps,
-            )
-        )
+        mesh = Mesh(MeshOptions.from_flags(shlex.split(args.mesh_flags), **mesh_overrides(args, http)))
         try:
             mesh.start(progress=say)
             endpoints = {"mesh": mesh.target("gateway"), **({"mesh-http": mesh.http_url()} if http else {})}

@@ -176,7 +176,10 @@ def test_mesh_flags_are_checked_as_vlmesh_up_flags_before_anything_starts(capsys
     assert args.mesh_flags == "--switch-interval-ms 0.1 --kv-page-size 64"
     for flags, said in (
         ("--no-such-flag 1", "are not flags of vlmesh up"),
-        ("--max-vision-batch 0", "--max-vision-batch 0 must be >= 1"),
+        ("--kv-page-size 3", "--kv-page-size 3 must be 0 (auto) or a power of two"),
+        # The bench sets these itself: its own value would win unseen.
+        ("--lanes split --max-prefill-tokens 1024", "--max-prefill-tokens is set by the bench itself"),
+        ("--kv-page-size 64 --max-vision-batch=2", "--max-vision-batch is set by the bench itself"),
     ):
         with pytest.raises(SystemExit) as exit_:
             parse_args(parser, ["--model", "m", "--mesh-flags", flags])
