@@ -21,9 +21,15 @@ mesh under MPS (docs/PERF.md, the eighth to tenth sessions):
 Every request is W1-shaped: 576 image and 32 text positions, 16 tokens out (the first from the
 prefill), the QoS mix 20/60/20, Poisson arrivals.
 
+`--lanes split` runs the engine's two-lane schedule instead (services/llm/split_loop.py): the
+scheduler's prefill plans (`schedule(decodes=False, whole_prompts=True)`) and decode plans
+(`decodable()`) as two lanes at once, each step `--split-prefill-scale` / `--split-decode-scale`
+times its cost in a shared lane (the prefill on its partition of the SMs; no decode rides in it).
+
     python -m bench.schedule_sim [--rates 20,25,30,35,40] [--duration 600] [--seeds 3]
         [--overheads results.json.gz] [--decode-scale 1.0] [--prompt-scale 1.0]
         [--max-prefill-tokens 2048] [--max-batch 32]
+        [--lanes split --split-prefill-scale 1.5 --split-decode-scale 1.0]
 """
 
 from __future__ import annotations
@@ -90,28 +96,41 @@ def measured_overheads(path: str, rate: float) -> list[tuple[float, float]]:
     return out
 
 
-def simulate(rate: float, duration: float, seed: int, model: StepModel, args) -> dict:
-    """One run: seconds of arrivals at `rate`; each finished request's e2e, TTFT and TPOT (ms)."""
-    rnd = random.Random(seed)
-    overheads = measured_overheads(args.overheads, rate) if args.overheads else [(args.front_ms, args.back_ms)]
-    clock = [0.0]
-    pool = BlockManager(args.max_batch * 8 + 1, 128)
-    sched = Scheduler(args.max_batch, pool, args.max_prefill_tokens, clock=lambda: clock[0], prefix_cache=False)
-    buckets = row_buckets(args.max_prefill_tokens + args.max_batch)
-    arrivals, t = [], 0.0
-    while t < duration:
-        t += rnd.expovariate(rate)
-        qos = rnd.choices([q for q, _ in MIX], [w for _, w in MIX])[0]
-        front, back = rnd.choice(overheads)
-        arrivals.append((t + front / 1e3, t, qos, back))
-    arrivals.sort()  # by when each reaches the llm
-    born, first, last, done, back_ms = {}, {}, {}, {}, {}
-    i = 0
-    while i < len(arrivals) or sched.waiting or sched.running:
-        while i < len(arrivals) and arrivals[i][0] <= clock[0]:
-            at, sent, qos, back = arrivals[i]
+class Run:
+    """One run's arrivals (seconds of them at `rate`, Poisson), its scheduler, and its requests' clocks."""
+
+    def __init__(self, rate: float, duration: float, seed: int, args) -> None:
+        rnd = random.Random(seed)
+        overheads = measured_overheads(args.overheads, rate) if args.overheads else [(args.front_ms, args.back_ms)]
+        self.clock = [0.0]
+        pool = BlockManager(args.max_batch * 8 + 1, 128)
+        clock = self.clock
+        self.sched = Scheduler(
+            args.max_batch, pool, args.max_prefill_tokens, clock=lambda: clock[0], prefix_cache=False
+        )
+        self.arrivals, t = [], 0.0
+        while t < duration:
+            t += rnd.expovariate(rate)
+            qos = rnd.choices([q for q, _ in MIX], [w for _, w in MIX])[0]
+            front, back = rnd.choice(overheads)
+            self.arrivals.append((t + front / 1e3, t, qos, back))
+        self.arrivals.sort()  # by when each reaches the llm
+        self.born, self.first, self.last, self.done, self.back_ms = {}, {}, {}, {}, {}
+        self.i = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.i < len(self.arrivals) or bool(self.sched.waiting or self.sched.running)
+
+    def next_arrival(self) -> float:
+        return self.arrivals[self.i][0] if self.i < len(self.arrivals) else float("inf")
+
+    def admit(self) -> None:
+        """Queue every request that has reached the llm by now."""
+        while self.i < len(self.arrivals) and self.arrivals[self.i][0] <= self.clock[0]:
+            at, sent, qos, back = self.arrivals[self.i]
             req = Request(
-                id=str(i),
+                id=str(self.i),
                 prompt_ids=[7] * (IMAGE + TEXT),
                 image_positions=[0],
                 image_features=[SimpleNamespace(shape=(IMAGE, 0))],
@@ -123,12 +142,48 @@ def simulate(rate: float, duration: float, seed: int, model: StepModel, args) ->
                 emit=None,
                 arrival=at,
             )
-            born[req.id], back_ms[req.id] = sent, back
-            sched.add(req)
-            i += 1
+            self.born[req.id], self.back_ms[req.id] = sent, back
+            self.sched.add(req)
+            self.i += 1
+
+    def ran(self, chunks, decodes, end: float) -> None:
+        """What a step that ended at `end` did: positions computed, a token each, finishes."""
+        for c in chunks:
+            c.req.computed = c.end
+            if c.completes:
+                c.req.output_ids.append(1)
+                self.first[c.req.id] = end
+        for r in decodes:
+            r.computed += 1
+            r.output_ids.append(1)
+        for r in [*decodes, *(c.req for c in chunks if c.completes)]:
+            if len(r.output_ids) >= OUT and r.running:
+                self.sched.finish(r)
+                self.last[r.id] = end
+                self.done[r.id] = end + self.back_ms[r.id] / 1e3
+
+    def result(self, warmup: float) -> dict:
+        """Each finished request's e2e, TTFT and TPOT (ms), leaving out the first `warmup` seconds."""
+        ids = [k for k in self.done if self.born[k] >= warmup]
+        return {
+            "sent": len(self.arrivals),
+            "finished": len(self.done),
+            "e2e": [(self.done[k] - self.born[k]) * 1e3 for k in ids],
+            "ttft": [(self.first[k] - self.born[k]) * 1e3 for k in ids],
+            "tpot": [(self.last[k] - self.first[k]) * 1e3 / (OUT - 1) for k in ids],
+        }
+
+
+def simulate(rate: float, duration: float, seed: int, model: StepModel, args) -> dict:
+    """One run through one shared lane: a step carries the prompts and the decodes."""
+    run = Run(rate, duration, seed, args)
+    sched, clock = run.sched, run.clock
+    buckets = row_buckets(args.max_prefill_tokens + args.max_batch)
+    while run.busy:
+        run.admit()
         plan = sched.schedule()
         if plan.empty:
-            clock[0] = arrivals[i][0]  # idle until the next request reaches the llm
+            clock[0] = run.next_arrival()  # idle until the next request reaches the llm
             continue
         rows = sum(c.end - c.start for c in plan.prefill)
         if rows:
@@ -138,28 +193,42 @@ def simulate(rate: float, duration: float, seed: int, model: StepModel, args) ->
             clock[0] += model.packed(rows, bucket, riding) / 1e3
         else:
             clock[0] += model.decode(len(plan.decode)) / 1e3
-        for c in plan.prefill:
-            c.req.computed = c.end
-            if c.completes:
-                c.req.output_ids.append(1)
-                first[c.req.id] = clock[0]
-        for r in plan.decode:
-            r.computed += 1
-            r.output_ids.append(1)
-        for r in [*plan.decode, *(c.req for c in plan.prefill if c.completes)]:
-            if len(r.output_ids) >= OUT and r.running:
-                sched.finish(r)
-                last[r.id] = clock[0]
-                done[r.id] = clock[0] + back_ms[r.id] / 1e3
-    warm = args.warmup
-    ids = [k for k in done if born[k] >= warm]
-    return {
-        "sent": len(arrivals),
-        "finished": len(done),
-        "e2e": [(done[k] - born[k]) * 1e3 for k in ids],
-        "ttft": [(first[k] - born[k]) * 1e3 for k in ids],
-        "tpot": [(last[k] - first[k]) * 1e3 / (OUT - 1) for k in ids],
-    }
+        run.ran(plan.prefill, plan.decode, clock[0])
+    return run.result(args.warmup)
+
+
+def simulate_split(rate: float, duration: float, seed: int, model: StepModel, args) -> dict:
+    """One run through two lanes (`--lanes split`, services/llm/split_loop.py): a prefill step and a
+    decode step at once, each `--split-prefill-scale` / `--split-decode-scale` times its shared cost."""
+    run = Run(rate, duration, seed, args)
+    sched, clock = run.sched, run.clock
+    buckets = row_buckets(args.max_prefill_tokens)
+    lanes: dict[str, tuple | None] = {"prefill": None, "decode": None}  # (end, chunks, decodes)
+    while run.busy:
+        run.admit()
+        if lanes["prefill"] is None:
+            plan = sched.schedule(decodes=False, whole_prompts=True)
+            if plan.prefill:
+                rows = sum(c.end - c.start for c in plan.prefill)
+                ms = model.packed(rows, next(b for b in buckets if b >= rows), 0) * args.split_prefill_scale
+                lanes["prefill"] = (clock[0] + ms / 1e3, plan.prefill, [])
+        if lanes["decode"] is None and (decodes := sched.decodable()):
+            lanes["decode"] = (clock[0] + model.decode(len(decodes)) * args.split_decode_scale / 1e3, [], decodes)
+        for lane in filter(None, lanes.values()):
+            for req in [c.req for c in lane[1]] + lane[2]:
+                req.in_flight = True
+        end = min((lane[0] for lane in lanes.values() if lane), default=float("inf"))
+        if lanes["prefill"] is None and run.next_arrival() < end:  # an arrival may start the idle lane
+            clock[0] = run.next_arrival()
+            continue
+        clock[0] = end
+        for name, lane in lanes.items():
+            if lane and lane[0] <= end:
+                for req in [c.req for c in lane[1]] + lane[2]:
+                    req.in_flight = False
+                run.ran(lane[1], lane[2], end)
+                lanes[name] = None
+    return run.result(args.warmup)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -182,6 +251,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--overheads", default=None, help="a vlmesh bench results file: draw front and back from it")
     p.add_argument("--decode-scale", type=float, default=1.0, help="what-if: decode-only steps take this share")
     p.add_argument("--prompt-scale", type=float, default=1.0, help="what-if: steps with prompts take this share")
+    p.add_argument("--lanes", default="shared", choices=("shared", "split"), help="the engine's --lanes")
+    p.add_argument(
+        "--split-prefill-scale",
+        type=float,
+        default=1.5,
+        help="split: a prefill-lane step's time over the shared step's (the H200 probe, 96 SMs: 1.5; the "
+        "mesh's at ca14908: 1.76)",
+    )
+    p.add_argument(
+        "--split-decode-scale",
+        type=float,
+        default=1.0,
+        help="split: a decode-lane step's time over the shared one's (the probe: 1.0; the mesh's: 1.34)",
+    )
     args = p.parse_args(argv)
     decode = {int(b): float(ms) for b, ms in (kv.split(":") for kv in args.decode_ms.split(","))}
     model = StepModel(
@@ -198,7 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| offered req/s | e2e p50 / p99 ms (seeds: median, range of p99) | TTFT p50 / p99 | TPOT p50 / p99 | done |")
     print("| --- | --- | --- | --- | --- |")
     for rate in (float(r) for r in args.rates.split(",")):
-        runs = [simulate(rate, args.duration, seed, model, args) for seed in range(args.seeds)]
+        sim = simulate_split if args.lanes == "split" else simulate
+        runs = [sim(rate, args.duration, seed, model, args) for seed in range(args.seeds)]
         p99s = sorted(percentile(r["e2e"], 0.99) for r in runs)
 
         def med(key: str, q: float, runs: list[dict] = runs) -> float:
