@@ -328,3 +328,25 @@ def test_step_trace_records_every_step(tiny_model, tmp_path):
     assert summary.returncode == 0, summary.stderr
     assert "decode-only steps, split p50: stage 0.10, device 5.00, wake 0.20 (n 15)" in summary.stdout
     assert "prompt steps, split p50: stage 0.90, device 16.00, wake 0.30 (n 5)" in summary.stdout
+    # A --lanes split trace: each lane's steps with the other lane idle and busy.
+    lanes = tmp_path / "lanes.jsonl"
+    steps = [("prefill", 0.0, 20.0, 1), ("prefill", 0.11, 28.0, 1)]  # (lane, start s, device ms, prompts)
+    steps += [("decode", 0.11 + 0.007 * i, 7.0, 0) for i in range(4)]  # inside the second prefill
+    steps += [("decode", 0.30 + 0.005 * i, 5.0, 0) for i in range(5)]  # no prefill running
+    lines = []
+    for lane, t, ms, prompts in sorted(steps, key=lambda x: x[1]):
+        row = {"t": t, "gap_ms": 0.0, "run_ms": ms, "post_ms": 0.0, "decodes": 2, "prompts": prompts}
+        timed = {"stage_ms": 0.0, "device_ms": ms, "wake_ms": 0.0}
+        lines.append(json.dumps(row | {"prompt_rows": 600 * prompts, "lane": lane} | timed))
+    lanes.write_text("\n".join(lines) + "\n")
+    summary = subprocess.run(
+        [sys.executable, "-m", "bench.step_trace", str(lanes), "--min-steps", "1", "--detail"],
+        capture_output=True,
+        text=True,
+    )
+    assert summary.returncode == 0, summary.stderr
+    out = summary.stdout
+    assert (
+        "one-prompt prefill steps, p50 with the decode lane decode idle: 20.00 (n 1), decode busy: 28.00 (n 1)" in out
+    )
+    assert "decode steps, p50 with the prefill lane prefill idle: 5.00 (n 5), prefill busy: 7.00 (n 4)" in out
