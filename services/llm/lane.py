@@ -61,10 +61,10 @@ def build_lanes(
     Split on CUDA: the prefill lane on a green context of `prefill_sms` SMs (0:
     `default_prefill_sms`); the decode lane on a stream of its own on the whole device: its kernels
     take the SMs the prefill leaves, and room beside the prefill's blocks. Of normal priority: the
-    probe that found the decode at its whole-device speed beside the prefill ran it so. A stream of
-    high priority may take the SMs that free first, the prefill's own included: the H200 mesh run
-    with one had the prefill at 1.45x its probe time (not yet told apart from the vision's share
-    under MPS; bench.sm_split now times both priorities).
+    probe that found the decode at its whole-device speed beside the prefill ran it so (a stream of
+    high priority may take the SMs that free first, the prefill's own included). In the H200 mesh
+    the two lanes still slowed each other by 1.2-1.5x, also confined to disjoint SMs at equal
+    priority, which the probe had not shown (docs/PERF.md: not yet explained).
     RuntimeError where the device cannot be split.
     """
     cuda = device.type == "cuda"
