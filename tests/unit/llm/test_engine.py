@@ -300,15 +300,10 @@ def test_step_trace_records_every_step(tiny_model, tmp_path):
     assert all(r["run_ms"] > 0 and r["gap_ms"] >= 0 and r["post_ms"] >= 0 for r in rows)
     packed = tmp_path / "steps.jsonl.gz"
     packed.write_bytes(gzip.compress(trace.read_bytes()))
-    summary = subprocess.run(
-        [sys.executable, "-m", "bench.step_trace", str(packed), "--min-steps", "1", "--detail"],
-        capture_output=True,
-        text=True,
-    )
-    assert summary.returncode == 0, summary.stderr
-    assert summary.stdout.startswith(f"{len(rows)} steps; 1 segments")
-    assert "one prompt + riding, by decodes:" in summary.stdout
-    assert "split p50" not in summary.stdout  # the CPU times no device span
+    summary = summed_up(packed)
+    assert summary.startswith(f"{len(rows)} steps; 1 segments")
+    assert "one prompt + riding, by decodes:" in summary
+    assert "split p50" not in summary  # the CPU times no device span
     # A CUDA trace's rows carry the split: --detail gives its p50 per kind of step.
     cuda = tmp_path / "cuda.jsonl"
     split = {"decode": (0.1, 5.0, 0.2), "prompt": (0.9, 16.0, 0.3)}
@@ -320,15 +315,21 @@ def test_step_trace_records_every_step(tiny_model, tmp_path):
         row |= {"prompts": int(kind == "prompt"), "prompt_rows": 600 * (kind == "prompt")}
         lines.append(json.dumps(row | {"stage_ms": stage, "device_ms": device, "wake_ms": wake}))
     cuda.write_text("\n".join(lines) + "\n")
-    summary = subprocess.run(
-        [sys.executable, "-m", "bench.step_trace", str(cuda), "--min-steps", "1", "--detail"],
-        capture_output=True,
-        text=True,
-    )
-    assert summary.returncode == 0, summary.stderr
-    assert "decode-only steps, split p50: stage 0.10, device 5.00, wake 0.20 (n 15)" in summary.stdout
-    assert "prompt steps, split p50: stage 0.90, device 16.00, wake 0.30 (n 5)" in summary.stdout
-    # A --lanes split trace: each lane's steps with the other lane idle and busy.
+    summary = summed_up(cuda)
+    assert "decode-only steps, split p50: stage 0.10, device 5.00, wake 0.20 (n 15)" in summary
+    assert "prompt steps, split p50: stage 0.90, device 16.00, wake 0.30 (n 5)" in summary
+
+
+def summed_up(trace: Path) -> str:
+    """What `python -m bench.step_trace TRACE --detail` prints (as its users run it)."""
+    args = [sys.executable, "-m", "bench.step_trace", str(trace), "--min-steps", "1", "--detail"]
+    done = subprocess.run(args, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_step_trace_summary_splits_each_lane_by_what_the_other_lane_was_doing(tmp_path):
+    """A --lanes split trace: each lane's steps with the other lane idle and busy."""
     lanes = tmp_path / "lanes.jsonl"
     steps = [("prefill", 0.0, 20.0, 1), ("prefill", 0.11, 28.0, 1)]  # (lane, start s, device ms, prompts)
     steps += [("decode", 0.11 + 0.007 * i, 7.0, 0) for i in range(4)]  # inside the second prefill
@@ -339,13 +340,7 @@ def test_step_trace_records_every_step(tiny_model, tmp_path):
         timed = {"stage_ms": 0.0, "device_ms": ms, "wake_ms": 0.0}
         lines.append(json.dumps(row | {"prompt_rows": 600 * prompts, "lane": lane} | timed))
     lanes.write_text("\n".join(lines) + "\n")
-    summary = subprocess.run(
-        [sys.executable, "-m", "bench.step_trace", str(lanes), "--min-steps", "1", "--detail"],
-        capture_output=True,
-        text=True,
-    )
-    assert summary.returncode == 0, summary.stderr
-    out = summary.stdout
+    out = summed_up(lanes)
     assert (
         "one-prompt prefill steps, p50 with the decode lane decode idle: 20.00 (n 1), decode busy: 28.00 (n 1)" in out
     )
