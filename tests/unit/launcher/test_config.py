@@ -105,6 +105,8 @@ CUSTOM = {
             prefill="packed",
             prefix_cache=False,
             skinny_gemv=False,
+            lanes="split",
+            prefill_sms=64,
             step_trace="/tmp/steps.jsonl",
         ),
     ),
