@@ -204,6 +204,11 @@ def simulate_split(rate: float, duration: float, seed: int, model: StepModel, ar
     sched, clock = run.sched, run.clock
     buckets = row_buckets(args.max_prefill_tokens)
     lanes: dict[str, tuple | None] = {"prefill": None, "decode": None}  # (end, chunks, decodes)
+
+    def hold(lane: tuple, flying: bool) -> None:  # the engine's Request.in_flight, while a step runs
+        for req in [c.req for c in lane[1]] + lane[2]:
+            req.in_flight = flying
+
     while run.busy:
         run.admit()
         if lanes["prefill"] is None:
@@ -212,11 +217,10 @@ def simulate_split(rate: float, duration: float, seed: int, model: StepModel, ar
                 rows = sum(c.end - c.start for c in plan.prefill)
                 ms = model.packed(rows, next(b for b in buckets if b >= rows), 0) * args.split_prefill_scale
                 lanes["prefill"] = (clock[0] + ms / 1e3, plan.prefill, [])
+                hold(lanes["prefill"], True)
         if lanes["decode"] is None and (decodes := sched.decodable()):
             lanes["decode"] = (clock[0] + model.decode(len(decodes)) * args.split_decode_scale / 1e3, [], decodes)
-        for lane in filter(None, lanes.values()):
-            for req in [c.req for c in lane[1]] + lane[2]:
-                req.in_flight = True
+            hold(lanes["decode"], True)
         end = min((lane[0] for lane in lanes.values() if lane), default=float("inf"))
         if lanes["prefill"] is None and run.next_arrival() < end:  # an arrival may start the idle lane
             clock[0] = run.next_arrival()
@@ -224,8 +228,7 @@ def simulate_split(rate: float, duration: float, seed: int, model: StepModel, ar
         clock[0] = end
         for name, lane in lanes.items():
             if lane and lane[0] <= end:
-                for req in [c.req for c in lane[1]] + lane[2]:
-                    req.in_flight = False
+                hold(lane, False)
                 run.ran(lane[1], lane[2], end)
                 lanes[name] = None
     return run.result(args.warmup)
