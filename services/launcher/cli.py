@@ -67,6 +67,7 @@ LLM_FLAGS = (
     "skinny_gemv",
     "lanes",
     "prefill_sms",
+    "decode_priority",
     "enforce_eager",
 )
 GATEWAY_FLAGS = (

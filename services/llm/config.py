@@ -106,7 +106,15 @@ class NativeEngineConfig:
         default=0,
         help="with --lanes split on CUDA, the SMs the prefill lane may use (the driver rounds up to its "
         "granularity, 8 on Hopper); the decode lane runs on the whole device beside it; 0 = three quarters "
-        "of the device (default %(default)s)",
+        "of the device; the device's count or more: no partition, both lanes' kernels share every SM "
+        "(default %(default)s)",
+    )
+    decode_priority: str = flag(
+        "--decode-priority",
+        default="normal",
+        choices=("normal", "high"),
+        help="with --lanes split on CUDA, the decode lane's stream priority: high lets the decode's blocks "
+        "take SMs as the prefill's free them (default %(default)s)",
     )
     enforce_eager: bool = flag(
         "--enforce-eager",
@@ -141,6 +149,8 @@ class NativeEngineConfig:
             problems.append(f"--prefill-sms {self.prefill_sms} must be >= 0 (0: three quarters of the device)")
         if self.prefill_sms and self.lanes != "split":
             problems.append(f"--prefill-sms {self.prefill_sms} needs --lanes split")
+        if self.decode_priority != "normal" and self.lanes != "split":
+            problems.append(f"--decode-priority {self.decode_priority} needs --lanes split")
         if not 0 < self.gpu_memory_utilization <= 1:
             problems.append(f"--gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1]")
         if problems:

@@ -62,6 +62,7 @@ def build_native(
         cfg.skinny_gemv,
         cfg.lanes,
         cfg.prefill_sms,
+        cfg.decode_priority,
     )
     return NativeEngine(
         runner, max_batch, prompts, default_max_tokens, cfg.max_prefill_tokens, cfg.prefix_cache, cfg.step_trace

@@ -52,17 +52,17 @@ def build_lanes(
     packed_words: int,
     extra_words: int,
     prefill_sms: int = 0,
+    decode_priority: str = "normal",
 ) -> dict[str, Lane]:
     """The runner's lanes: their staging buffers hold the decode step's fixed inputs (`decode_words`),
     the packed step's (`packed_words`) and `extra_words` for a step's other values.
 
     Split on CUDA: the prefill lane on a green context of `prefill_sms` SMs (0:
-    `default_prefill_sms`); the decode lane on a stream of its own on the whole device: its kernels
-    take the SMs the prefill leaves, and room beside the prefill's blocks. Of normal priority: the
-    probe that found the decode at its whole-device speed beside the prefill ran it so (a stream of
-    high priority may take the SMs that free first, the prefill's own included). In the H200 mesh
-    the two lanes still slowed each other by 1.2-1.5x, also confined to disjoint SMs at equal
-    priority, which the probe had not shown (docs/PERF.md: not yet explained).
+    `default_prefill_sms`; the device's count or more: a plain stream on the whole device); the
+    decode lane on a stream of its own on the whole device, of `decode_priority` (high: its blocks
+    go first wherever an SM frees, the prefill's own included): its kernels take the SMs the
+    prefill leaves, and room beside the prefill's blocks. A green context does not keep other
+    contexts off its SMs, so the two lanes' kernels still meet on the prefill's (docs/PERF.md).
     RuntimeError where the device cannot be split.
     """
     cuda = device.type == "cuda"
@@ -77,11 +77,15 @@ def build_lanes(
     if cuda:
         from services.llm.sm_partition import device_sms, split_sms
 
-        sms = prefill_sms or default_prefill_sms(device_sms(device))
-        try:
-            part, _ = split_sms(sms, device, rest_part=False)
-        except RuntimeError as err:
-            raise RuntimeError(f"--lanes split --prefill-sms {sms}: {err}") from err
-        prefill.stream, prefill.sms, prefill.partition = part.stream, part.sms, part
-        lanes["decode"].stream = torch.cuda.Stream(device)
+        total = device_sms(device)
+        sms = prefill_sms or default_prefill_sms(total)
+        if sms >= total:
+            prefill.stream = torch.cuda.Stream(device)
+        else:
+            try:
+                part, _ = split_sms(sms, device, rest_part=False)
+            except RuntimeError as err:
+                raise RuntimeError(f"--lanes split --prefill-sms {sms}: {err}") from err
+            prefill.stream, prefill.sms, prefill.partition = part.stream, part.sms, part
+        lanes["decode"].stream = torch.cuda.Stream(device, priority=-1 if decode_priority == "high" else 0)
     return lanes

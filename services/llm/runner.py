@@ -54,12 +54,14 @@ class ModelRunner:
         skinny_gemv: bool = True,
         lanes: str = "shared",
         prefill_sms: int = 0,
+        decode_priority: str = "normal",
     ) -> None:
         """`packed`: run prefill steps as one packed forward (services/llm/packed.py); by default
         where CUDA graphs are on. Off, a prefill runs per chunk, eagerly (the reference).
         `skinny_gemv`: the decode step's linears through services/model/gemv.py (else F.linear).
         `lanes`: split runs prefill and decode as two lanes (services/llm/lane.py), on CUDA the
-        prefill on `prefill_sms` SMs of its own (0: three quarters); shared runs them in one step."""
+        prefill on `prefill_sms` SMs of its own (0: three quarters; all of them: no partition), the
+        decode on a stream of `decode_priority`; shared runs them in one step."""
         self.spec, self.device, self.dtype = spec, device, dtype
         t = spec.text
         self.max_context, self.max_batch = t.max_context, max_batch
@@ -93,7 +95,9 @@ class ModelRunner:
         decode_words = b * (3 + p)
         packed_words = fixed_words(rows, max_batch, self.n_pages) if packed else 0
         extra = 3 * max_prefill_tokens + max_batch * t.max_context + 8 * max_batch
-        self.lanes = build_lanes(self.split, device, max_batch, decode_words, packed_words, extra, prefill_sms)
+        self.lanes = build_lanes(
+            self.split, device, max_batch, decode_words, packed_words, extra, prefill_sms, decode_priority
+        )
         self.decode_lane = self.lanes["decode" if self.split else "shared"]
         self.prefill_lane = self.lanes["prefill" if self.split else "shared"]
         views = [

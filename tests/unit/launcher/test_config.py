@@ -107,6 +107,7 @@ CUSTOM = {
             skinny_gemv=False,
             lanes="split",
             prefill_sms=64,
+            decode_priority="high",
             step_trace="/tmp/steps.jsonl",
         ),
     ),
