@@ -36,10 +36,11 @@ def default_prefill_sms(total: int) -> int:
     """Three quarters of the device's SMs, in the driver's granularity (8 on Hopper): 96 of the
     H200's 132.
 
-    On the H200 (bench.sm_split): one W1 prompt's prefill took 13.2 ms on all 132 SMs, 19.8 on 96,
-    23.2 on 64; beside it the decode step, captured on the whole device, ran at its whole-device
-    time (5.44 against 5.46 ms at batch 8, 5.89 against 5.88 at 16), where confined to the other
-    36 SMs it took 8.6-10.9. So only the prefill is confined.
+    On the H200 (bench.sm_split, twelfth session): one W1 prompt's prefill took 13.1 ms on all 132
+    SMs, 19.9 on 96, 23.2 on 64; with a decode step running beside it, it took 26.8 on 96 and the
+    decode (captured on the whole device) 8.4 ms against 5.4 alone at batch 8. Confined to the other
+    36 SMs the decode took 8.6 alone. So only the prefill is confined; neither layout makes the two
+    steps together much cheaper than one after the other (overlap 1.09-1.18, docs/PERF.md).
     """
     return max(8, total * 3 // 4 // 8 * 8)
 
