@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     gemv = "skinny" if args.skinny_gemv else "cuBLAS"
     what = f"{args.dtype}, --quantize {args.quantize}, decode linears on {gemv}, batches up to {max_batch}"
     print(f"building the engine's runner for {spec.model_id} ({what}) ...", flush=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # the build's progress
     kv = KvConfig(128, 0.0, 0.6)
     runner = ModelRunner(
         spec, torch.device("cuda"), dtype, max_batch, kv, 2048, quantize=args.quantize, skinny_gemv=args.skinny_gemv

@@ -14,8 +14,9 @@ kernel was 4-16% faster than cuBLAS timed alone, but slower inside the decode st
 layer against about 114 at batch 8, not explained yet; docs/PERF.md), so it was dropped.
 
 `linear` is F.linear's drop-in: the kernel where it applies (CUDA, one row, a plain 2-D weight
-of the input's dtype, bf16, fp16 or fp32, no bias), F.linear otherwise (quantized weights,
-the CPU, a batch, a prefill). The decode step passes it to the model's layers
+of the input's dtype, bf16, fp16 or fp32, no bias), F.linear otherwise (the CPU, a batch, a
+prefill). Quantized projections never come here: they run their own kernels
+(services/model/qlinear.py). The decode step passes it to the model's layers
 (services/llm/attention.py). Configs per shape: `python -m bench.gemv` on an H200.
 """
 
@@ -64,7 +65,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         and x.is_cuda
         and x.dim() == 2
         and x.shape[0] == 1
-        and type(weight) in (torch.Tensor, torch.nn.Parameter)  # not a quantized tensor subclass
+        and type(weight) in (torch.Tensor, torch.nn.Parameter)  # not a tensor subclass
         and weight.dim() == 2
         and weight.dtype == x.dtype
         and x.dtype in _DTYPES
@@ -82,8 +83,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 if triton is not None:
 
     @triton.jit
-    def _one_row(x_ptr, w_ptr, y_ptr, N, K, stride_xk, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # y[n] = sum_k w[n, k] x[k]: partial products kept per column, summed once at the end.
+    def _one_row(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xk, stride_wn,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
+        # y[n] = sum_k w[n, k] x[k] (times s[n] if SCALED: an int8 weight's per-channel scale):
+        # partial products kept per column, summed once at the end.
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -93,16 +96,21 @@ if triton is not None:
             w = tl.load(w_ptr + rn[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
             x = tl.load(x_ptr + ks * stride_xk, mask=ks < K, other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
+        y = tl.sum(acc, axis=1)
+        if SCALED:
+            y *= tl.load(s_ptr + rn, mask=rn < N, other=0.0)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: Config, launcher=None) -> None:
-    """y [1, N] = x [1, K] w[N, K]^T with this config (`launcher` wraps the kernel: torch.compile's)."""
+def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: Config, launcher=None, scale=None) -> None:
+    """y [1, N] = x [1, K] w[N, K]^T with this config (`launcher` wraps the kernel: torch.compile's);
+    `scale` [N] fp32 multiplies each output (w int8, services/model/int8_mm.py)."""
     n, k = w.shape
     run = launcher or (lambda kernel: kernel)
     grid = (triton.cdiv(n, cfg.block_n),)
     opts = {"BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "num_warps": cfg.warps, "num_stages": cfg.stages}
-    run(_one_row)[grid](x, w, y, n, k, x.stride(1), w.stride(0), **opts)
+    s = scale if scale is not None else y  # unread unless SCALED
+    run(_one_row)[grid](x, w, s, y, n, k, x.stride(1), w.stride(0), SCALED=scale is not None, **opts)
 
 
 @functools.cache

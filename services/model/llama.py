@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.model.fuse import fuse_linears
+from services.model.qlinear import project
 from services.model.spec import LlavaSpec, TextSpec
 
 
@@ -79,9 +80,7 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linear=F.linear):
         """x [N, H] -> q [N, h, d], k [N, g, d] (both rotated), v [N, g, d]."""
         n = x.shape[0]
-        q, k, v = linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(
-            [self.h * self.d, self.g * self.d, self.g * self.d], dim=-1
-        )
+        q, k, v = project(x, self.qkv_proj, linear).split([self.h * self.d, self.g * self.d, self.g * self.d], dim=-1)
         q = apply_rope(q.view(n, self.h, self.d), cos, sin)
         k = apply_rope(k.view(n, self.g, self.d), cos, sin)
         return q, k, v.view(n, self.g, self.d)
@@ -100,8 +99,8 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor, linear=F.linear) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).split(self.intermediate, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        gate, up = project(x, self.gate_up_proj, linear).split(self.intermediate, dim=-1)
+        return project(F.silu(gate) * up, self.down_proj, linear)
 
 
 class DecoderLayer(nn.Module):
@@ -115,14 +114,13 @@ class DecoderLayer(nn.Module):
     def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linear=F.linear):
         """The residual stream x [N, H] -> q, k, v for this layer's attention.
 
-        `linear` computes the projections, F.linear's signature (the decode step passes
-        services/model/gemv.py's)."""
+        `linear` computes the plain projections, F.linear's signature (the decode step passes
+        services/model/gemv.py's); quantized ones run their own (services/model/qlinear.py)."""
         return self.self_attn.project(self.input_layernorm(x), cos, sin, linear)
 
     def attn_out(self, x: torch.Tensor, o: torch.Tensor, linear=F.linear) -> torch.Tensor:
         """x [N, H] and the attention output o [N, h, d] -> the layer's output [N, H]."""
-        o_proj = self.self_attn.o_proj
-        x = x + linear(o.flatten(1), o_proj.weight, o_proj.bias)
+        x = x + project(o.flatten(1), self.self_attn.o_proj, linear)
         return x + self.mlp(self.post_attention_layernorm(x), linear)
 
 

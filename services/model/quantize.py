@@ -10,8 +10,10 @@ Only the decoder layers' projections are quantized (q/k/v, o, gate/up, down: all
 percent of the bytes a decode step reads). The embedding table and the LM head stay in the
 model's dtype: the embedding is a gather, not a matmul, and the head decides every token.
 
-torchao is imported only when a quantization is asked for: it is several hundred milliseconds
-to import and logs a warning per optional extension it cannot load.
+torchao quantizes; the layers then hold its data as plain tensors (services/model/qlinear.py),
+so that torch.compile does not trace its tensor subclasses. torchao is imported only when a
+quantization is asked for: it is several hundred milliseconds to import and logs a warning per
+optional extension it cannot load.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from services.common.config import QUANTIZATIONS
+from services.model.qlinear import Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: t
         config = Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d")
     before = weight_bytes(layers)
     quantize_(layers, config)
+    _unwrap(layers)
     log.info(
         "decoder layers quantized to %s: %d linears, %.1f -> %.1f MiB of weights",
         how,
@@ -62,14 +66,25 @@ def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: t
     )
 
 
+def _unwrap(layers: nn.Module) -> None:
+    """Every nn.Linear whose weight torchao quantized -> an Int8Linear or Int4Linear of its data."""
+    for parent in list(layers.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            w, bias = child.weight, child.bias
+            kind = type(w).__name__
+            if kind == "Int8Tensor":
+                if w.block_size[-1] != w.qdata.shape[-1] or bool(w.zero_point.any()):
+                    raise ValueError(f"{name}: expected torchao's symmetric per-channel int8, got {w}")
+                new: nn.Module = Int8Linear(w.qdata, w.scale, bias)
+            elif kind == "Int4TilePackedTo4dTensor":
+                new = Int4Linear(w.qdata, w.scale_and_zero, w.block_size[-1], tuple(w.shape), bias)
+            else:
+                raise ValueError(f"{name}: torchao left a weight of {kind}, which vlmesh has no kernel for")
+            setattr(parent, name, new)
+
+
 def weight_bytes(module: nn.Module) -> int:
     """Bytes of the module's parameters as stored (quantized data and scales included)."""
-    total = 0
-    for p in module.parameters():
-        inner = getattr(p, "__tensor_flatten__", None)
-        if inner is None:
-            total += p.numel() * p.element_size()
-        else:
-            names, _ = inner()
-            total += sum(getattr(p, n).numel() * getattr(p, n).element_size() for n in names)
-    return total
+    return sum(p.numel() * p.element_size() for p in module.parameters())

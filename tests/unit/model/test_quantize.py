@@ -23,7 +23,8 @@ def test_int8_keeps_the_layers_close_and_stores_a_quarter_of_the_bytes():
     before = weight_bytes(layers)
     quantize_decoder(layers, "int8", CPU, torch.float32)
     got = layers(x)
-    assert type(layers[0].weight).__name__ == "Int8Tensor"
+    assert type(layers[0]).__name__ == "Int8Linear"  # torchao's data, as plain tensors
+    assert layers[0].qdata.dtype == torch.int8 and type(layers[0].qdata) is nn.Parameter
     assert weight_bytes(layers) < before / 3  # int8 data and one fp32 scale per output channel
     assert (got - want).abs().max() < 0.02 * want.abs().max()
     assert not torch.equal(got, want)  # it did quantize
@@ -51,7 +52,7 @@ def test_the_demo_model_in_int8_still_sees():
         parts.run(*pairs)
     finally:
         parts.engine.stop()
-    assert type(parts.engine.runner.model.layers[0].mlp.down_proj.weight).__name__ == "Int8Tensor"
+    assert type(parts.engine.runner.model.layers[0].mlp.down_proj).__name__ == "Int8Linear"
     right = sum(box["text"] == pic.answer(prompt) for (_, box), pic, (_, prompt) in zip(pairs, pics, jobs, strict=True))
     print(f"int8 demo model: {right} of {len(jobs)} right")
     assert right >= 22, f"{right} of {len(jobs)} right in int8"

@@ -1,0 +1,116 @@
+"""The int8 weight-only matmul (services/model/int8_mm.py) against bf16 cuBLAS and against
+torchao's dequantize-then-cuBLAS, per decoder shape and row count, on a CUDA GPU.
+
+Timed as the engine runs it: a CUDA graph of `--layers` launches over as many distinct weights
+(so none is read from L2), replayed; the time per launch is the replay's over the launches.
+Every config of a small grid is tried and checked against an fp64 reference. The table gives
+the bytes-read floor of the int8 weight at the copy bandwidth of `--bandwidth` (TB/s), bf16
+cuBLAS, the dequantizing path, the best config (at one row gemv's one-row kernel too, scaled) and the op as it picks
+(its time includes a copy of the output).
+
+    python -m bench.int8_mm [--model preset:llava-7b-shaped] [--rows 1,8,32,640] [--out int8_mm.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from bench.gemv import graph_time, shapes
+from services.model import gemv, int8_mm
+
+ROW = [(n, k, w, s) for n in (8, 16, 32) for k in (512, 1024, 2048) for w in (4, 8) for s in (3, 4)]  # gemv's
+C = int8_mm.Config
+GRID = {  # (rows, channels, input channels) per program, warps, stages; by row count
+    "decode": [C(16, n, k, w, 4) for n in (16, 32, 64, 128) for k in (128, 256, 512) for w in (4, 8)],
+    "mid": [C(m, n, k, 4, s) for m in (32, 64) for n in (32, 64, 128) for k in (64, 128, 256) for s in (3, 4)],
+    "prefill": [
+        C(m, n, k, w, s) for m in (64, 128) for n in (128, 256) for k in (64, 128) for w in (4, 8) for s in (3, 4)
+    ],
+}
+
+
+def grid(m: int) -> list[int8_mm.Config]:
+    return GRID["decode" if m <= 16 else "mid" if m <= 64 else "prefill"]
+
+
+def sweep(name: str, n: int, k: int, m: int, layers: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(n + k + m)
+    qs = [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen) for _ in range(layers)]
+    ss = [torch.rand(n, device="cuda", generator=gen) / (127 * k**0.5) for _ in range(layers)]
+    ws = [(q.float() * s[:, None]).to(torch.bfloat16) for q, s in zip(qs, ss, strict=True)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ref = [(x.double() @ qs[i].double().T) * ss[i].double() for i in range(2)]
+    ys = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    cublas = graph_time(lambda i: F.linear(x, ws[i]), layers)
+    dequant = graph_time(lambda i: F.linear(x, qs[i].to(x.dtype)) * ss[i].to(x.dtype), layers)
+    timed = {}
+    if m == 1:  # gemv's one-row kernel, scaled: what the op runs for one row
+        row = [gemv.Config(*c) for c in ROW]
+        for cfg in row:
+            try:
+                for i in range(2):
+                    ys[i].fill_(float("nan"))
+                    gemv.launch(x, qs[i], ys[i], cfg, scale=ss[i])
+                    err = ((ys[i].double() - ref[i]).norm() / ref[i].norm()).item()
+                    if not err < 1e-2:
+                        raise ValueError(f"relative error {err}")
+                timed[cfg] = graph_time(lambda i, c=cfg: gemv.launch(x, qs[i], ys[i], c, scale=ss[i]), layers)
+            except Exception as e:
+                print(f"  {name} one-row {tuple(cfg)}: {type(e).__name__}: {str(e)[:100]}")
+    for cfg in grid(m):
+        try:
+            for i in range(2):
+                ys[i].fill_(float("nan"))  # every output must be written
+                int8_mm.launch(x, qs[i], ss[i], ys[i], cfg)
+                err = ((ys[i].double() - ref[i]).norm() / ref[i].norm()).item()
+                if not err < 1e-2:
+                    raise ValueError(f"relative error {err}")
+            timed[cfg] = graph_time(lambda i, c=cfg: int8_mm.launch(x, qs[i], ss[i], ys[i], c), layers)
+        except Exception as e:  # a config that does not compile or fit (shared memory) is skipped
+            print(f"  {name} m={m} {tuple(cfg)}: {type(e).__name__}: {str(e)[:100]}")
+    best = min(timed, key=timed.get)
+    picked_s = graph_time(lambda i: ys[i].copy_(int8_mm.linear(x, qs[i], ss[i])), layers)  # the op, as it picks
+    print(f"{name} m={m}: cuBLAS bf16 {cublas * 1e6:.1f} us, dequant {dequant * 1e6:.1f}, "
+          f"best {timed[best] * 1e6:.1f} {tuple(best)}, picked {picked_s * 1e6:.1f}", flush=True)  # fmt: skip
+    return {
+        "linear": name, "n": n, "k": k, "m": m, "int8_MB": n * k / 1e6,
+        "cublas_bf16_s": cublas, "dequant_s": dequant,
+        "best": best._asdict(), "best_s": timed[best], "picked_s": picked_s,
+        "top5": [(c._asdict(), timed[c]) for c in sorted(timed, key=timed.get)[:5]],
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.int8_mm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="preset:llava-7b-shaped")
+    p.add_argument("--rows", default="1,8,32,640", help="row counts (batch sizes, or a prefill's tokens)")
+    p.add_argument("--layers", type=int, default=16, help="launches (distinct weights) per graph")
+    p.add_argument("--bandwidth", type=float, default=4.24, help="copy bandwidth for the floor, TB/s")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("python -m bench.int8_mm needs a CUDA GPU")
+    rows = [int(r) for r in args.rows.split(",")]
+    results = [sweep(name, n, k, m, args.layers) for m in rows for name, (n, k) in shapes(args.model).items()]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    print(
+        "\n| rows | linear | int8 floor us | bf16 cuBLAS us | dequant + cuBLAS us | int8 best us (x floor) "
+        "| best (m, n, k, warps, stages) | picked us |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        floor = r["int8_MB"] / args.bandwidth  # MB / (TB/s) = us
+        b = r["best_s"] * 1e6
+        c, d = r["cublas_bf16_s"] * 1e6, r["dequant_s"] * 1e6
+        print(f"| {r['m']} | {r['linear']} | {floor:.1f} | {c:.1f} | {d:.1f} | {b:.1f} ({b / floor:.2f}) "
+              f"| {tuple(r['best'].values())} | {r['picked_s'] * 1e6:.1f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

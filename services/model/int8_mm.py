@@ -1,0 +1,128 @@
+"""y = (x Q^T) * s: a bf16/fp16 activation times an int8 weight with one scale per output channel,
+in one Triton kernel that reads the int8 weight as stored.
+
+Weight-only int8 exists to halve the bytes a decode step reads. torchao's int8 weight-only
+linear computes `mm(x, Q.t().to(x.dtype)) * s`: on the GPU that is a kernel writing the whole
+weight back in bf16 and cuBLAS reading it, 5 bytes a weight per step against bf16's 2. Here
+each program converts its tile of Q in registers and feeds the tensor cores, so a step reads
+1 byte a weight (plus the scales). `Q` and `s` are torchao's own (services/model/quantize.py
+unwraps them), so the numbers are its scheme's: symmetric, per output channel.
+
+The kernel is a torch custom op, opaque to torch.compile: it picks its tile sizes from the row
+count at run time, so a prefill compiled for any token count does not guard on it, and CUDA
+graphs capture it like any kernel. Configs: `python -m bench.int8_mm` on an H200 (docs/PERF.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from services.model import gemv
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only host: the dequantizing F.linear everywhere
+    triton = None
+
+
+class Config(NamedTuple):
+    block_m: int  # rows of x per program (the tensor cores' tile: 16 at least)
+    block_n: int  # output channels per program
+    block_k: int  # input channels per load
+    warps: int
+    stages: int
+
+
+# One row and at most 8192 output channels (o, down): gemv's streaming kernel, scaled, with
+# 8 channels a program (512 programs for 4096) beats any tensor-core tile (8.8-9.1 against 9.7 us
+# for o, 19.4 against 20.1 for down). Wider ones keep the 16-row tile (q/k/v 17.6 against 19.1).
+ONE_ROW = gemv.Config(8, 1024, 4, 4)
+
+
+def pick(m: int, n: int) -> Config:
+    """The tile for x [m, K] times Q [n, K]^T (m > 1: one row goes to gemv's kernel).
+
+    From `python -m bench.int8_mm` on an H200 (docs/PERF.md), the 7B shapes. Decode-sized rows
+    are bound by reading Q: narrow tiles of output channels, so that even 4096 channels make
+    128 programs, and long loads along K; the widest (gate/up) twice the channels. Prefill-sized
+    rows are bound by compute: square tiles that reuse each loaded tile of Q across 128 rows.
+    """
+    wide = n > 16384
+    if m <= 16:
+        return Config(16, 64 if wide else 32, 256, 4, 4)
+    if m <= 64:
+        return Config(32 if m <= 32 else 64, 64 if wide else 32, 128 if wide else 256, 4, 4)
+    return Config(128, 128, 64, 4, 4)
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether `linear` runs the kernel for this input (else it dequantizes and runs F.linear)."""
+    return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, cfg: Config | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16, CUDA), q [N, K] int8, s [N] fp32 -> [M, N] in x's dtype."""
+    if cfg is None:
+        return _op()(x, q, s)
+    y = torch.empty(x.shape[0], q.shape[0], device=x.device, dtype=x.dtype)
+    launch(x, q, s, y, cfg)
+    return y
+
+
+if triton is not None:
+
+    @triton.jit
+    def _kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_ym,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + rk
+            x_mask = (rm[:, None] < M) & (ks[None, :] < K)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
+            # Q's tile transposed, [BLOCK_K, BLOCK_N]: contiguous along K, as stored.
+            w_mask = (rn[None, :] < N) & (ks[:, None] < K)
+            w = tl.load(q_ptr + rn[None, :] * stride_qn + ks[:, None], mask=w_mask, other=0)
+            acc = tl.dot(x, w.to(x.dtype), acc)
+        s = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
+        y = acc * s[None, :]
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, y: torch.Tensor, cfg: Config) -> None:
+    """y [M, N] = (x [M, K] q [N, K]^T) * s [N], with this config."""
+    m, k = x.shape
+    n = q.shape[0]
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    _kernel[grid](x, q, s, y, m, n, k, x.stride(0), q.stride(0), y.stride(0),
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  num_warps=cfg.warps, num_stages=cfg.stages)  # fmt: skip
+
+
+@functools.cache
+def _op():
+    """The kernel as a custom op (registered on first use): opaque to torch.compile, so its tile
+    choice by row count is made at run time, not guarded on in a compiled graph."""
+
+    @torch.library.custom_op("vlmesh::int8_weight_linear", mutates_args=())
+    def int8_weight_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], q.shape[0], device=x.device, dtype=x.dtype)
+        if x.shape[0] == 1 and q.shape[0] <= 8192:  # see ONE_ROW
+            gemv.launch(x, q, y, ONE_ROW, scale=s)
+        elif x.shape[0]:
+            launch(x, q, s, y, pick(x.shape[0], q.shape[0]))
+        return y
+
+    @int8_weight_linear.register_fake
+    def _(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], q.shape[0])
+
+    return int8_weight_linear

@@ -1,0 +1,69 @@
+"""The quantized projections on a GPU: the int8 kernel against fp64, compiled and in a CUDA graph,
+and int4 (tinygemm) close to bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from services.common.buckets import capture_graphs
+from services.model import int8_mm
+from services.model.qlinear import Int4Linear, Int8Linear
+from services.model.quantize import quantize_decoder, weight_bytes
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 40, 64, 65, 640])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (4096, 11008), (22016, 4096), (72, 200)])
+def test_the_int8_kernel_equals_the_dequantized_matmul(dtype, m, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(n + k + m)
+    q = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen)
+    s = torch.rand(n, device="cuda", generator=gen) / (127 * k**0.5)
+    x = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
+    assert int8_mm.applies(x)
+    y = int8_mm.linear(x, q, s)
+    ref = (x.double() @ q.double().T) * s.double()
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, f"relative error {err}"
+
+
+def _layers(dtype: torch.dtype) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4096, 1024, bias=False), nn.Linear(1024, 512, bias=False)).to(CUDA, dtype)
+
+
+def test_int8_compiled_and_captured_gives_new_results_per_replay():
+    layers = _layers(torch.bfloat16)
+    quantize_decoder(layers, "int8", CUDA, torch.bfloat16)
+    assert all(isinstance(layer, Int8Linear) for layer in layers)
+    step = torch.compile(lambda t: layers(t) + 1.0, dynamic=False)
+    sizes = (1, 8, 32)
+    ins = {m: torch.zeros(m, 4096, device="cuda", dtype=torch.bfloat16) for m in sizes}
+    outs = {m: torch.zeros(m, 512, device="cuda", dtype=torch.bfloat16) for m in sizes}
+    graphs = capture_graphs(sizes, lambda m: outs[m].copy_(step(ins[m])), "test_quantized")
+    for m, graph in graphs.items():
+        for trial in range(2):
+            ins[m].normal_()
+            graph.replay()
+            ref = layers(ins[m]).float() + 1.0  # eager: the same kernel, uncompiled
+            err = ((outs[m].float() - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, f"batch {m}, trial {trial}: relative error {err}"
+
+
+@pytest.mark.parametrize("how, bytes_per_weight", [("int8", 1.0), ("int4", 0.5)])
+def test_each_kind_stays_close_to_bf16_and_stores_its_bytes(how, bytes_per_weight):
+    layers = _layers(torch.bfloat16)
+    x = torch.randn(40, 4096, device="cuda", dtype=torch.bfloat16)
+    want = layers(x).float()
+    weights = sum(p.numel() for p in layers.parameters())
+    quantize_decoder(layers, how, CUDA, torch.bfloat16)
+    assert all(isinstance(layer, Int8Linear if how == "int8" else Int4Linear) for layer in layers)
+    got = layers(x).float()
+    err = ((got - want).norm() / want.norm()).item()
+    assert 0 < err < (0.02 if how == "int8" else 0.15), f"{how}: relative error {err}"
+    stored = weight_bytes(layers) / weights
+    assert bytes_per_weight <= stored < bytes_per_weight * 1.1, f"{how}: {stored:.3f} bytes a weight"
