@@ -101,7 +101,7 @@ DEFAULT_METRICS_PORTS = (
     llm_config.DEFAULT_METRICS_PORT,
 )
 # Set from the others or by the launcher itself: never taken from `vlmesh up`'s flags.
-NOT_FLAGS = ("start_timeout_s", "extra_env")
+NOT_FLAGS = ("extra_env",)
 
 
 def metrics_ports(text: str) -> tuple[int, int, int]:

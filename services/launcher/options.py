@@ -68,7 +68,13 @@ class MeshOptions:
         "kernels share the GPU instead of time-slicing it; they then share its fault domain too "
         "(services/launcher/mps.py) (default %(default)s)",
     )
-    start_timeout_s: float = 180.0
+    start_timeout_s: float = flag(
+        "--start-timeout-s",
+        default=600.0,
+        help="seconds each service may take to become healthy at start-up or restart; on a GPU the llm "
+        "compiles and captures its CUDA graphs first (about 1 minute in bf16, 4 with --quantize int8 on "
+        "an H200) (default %(default)s s)",
+    )
     extra_env: dict[str, str] = field(default_factory=dict)
 
     @classmethod
