@@ -156,6 +156,8 @@ def test_checks_keep_their_messages():
         vision_config.parse(["--model", "m", "--threads", "-1"])
     with pytest.raises(ValueError, match=r"--max-in-flight 'urgent=3'"):
         gateway_config.parse(["--max-in-flight", "urgent=3"])
+    with pytest.raises(ValueError, match=r"--start-timeout-s 0.0 must be > 0"):
+        MeshOptions.from_flags(["--start-timeout-s", "0"], model="models/demo")
 
 
 def test_up_parser_exposes_every_flag_it_passes_on():
