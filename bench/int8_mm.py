@@ -5,8 +5,8 @@ Timed as the engine runs it: a CUDA graph of `--layers` launches over as many di
 (so none is read from L2), replayed; the time per launch is the replay's over the launches.
 Every config of a small grid is tried and checked against an fp64 reference. The table gives
 the bytes-read floor of the int8 weight at the copy bandwidth of `--bandwidth` (TB/s), bf16
-cuBLAS, the dequantizing path, the best config (at one row gemv's one-row kernel too, scaled) and the op as it picks
-(its time includes a copy of the output).
+cuBLAS, the dequantizing path, the best config (at one row gemv's one-row kernel too, scaled) and the op as it
+picks (its time includes a copy of the output).
 
     python -m bench.int8_mm [--model preset:llava-7b-shaped] [--rows 1,8,32,640] [--out int8_mm.json]
 """
@@ -48,30 +48,26 @@ def sweep(name: str, n: int, k: int, m: int, layers: int) -> dict:
     cublas = graph_time(lambda i: F.linear(x, ws[i]), layers)
     dequant = graph_time(lambda i: F.linear(x, qs[i].to(x.dtype)) * ss[i].to(x.dtype), layers)
     timed = {}
-    if m == 1:  # gemv's one-row kernel, scaled: what the op runs for one row
-        row = [gemv.Config(*c) for c in ROW]
-        for cfg in row:
-            try:
-                for i in range(2):
-                    ys[i].fill_(float("nan"))
-                    gemv.launch(x, qs[i], ys[i], cfg, scale=ss[i])
-                    err = ((ys[i].double() - ref[i]).norm() / ref[i].norm()).item()
-                    if not err < 1e-2:
-                        raise ValueError(f"relative error {err}")
-                timed[cfg] = graph_time(lambda i, c=cfg: gemv.launch(x, qs[i], ys[i], c, scale=ss[i]), layers)
-            except Exception as e:
-                print(f"  {name} one-row {tuple(cfg)}: {type(e).__name__}: {str(e)[:100]}")
-    for cfg in grid(m):
+
+    def trial(cfg, run, label: str) -> None:
+        """Check `run(i, cfg)` against the reference on two weights, then time it; a config that
+        does not compile, fit (shared memory) or match is skipped, named."""
         try:
             for i in range(2):
                 ys[i].fill_(float("nan"))  # every output must be written
-                int8_mm.launch(x, qs[i], ss[i], ys[i], cfg)
+                run(i, cfg)
                 err = ((ys[i].double() - ref[i]).norm() / ref[i].norm()).item()
                 if not err < 1e-2:
                     raise ValueError(f"relative error {err}")
-            timed[cfg] = graph_time(lambda i, c=cfg: int8_mm.launch(x, qs[i], ss[i], ys[i], c), layers)
-        except Exception as e:  # a config that does not compile or fit (shared memory) is skipped
-            print(f"  {name} m={m} {tuple(cfg)}: {type(e).__name__}: {str(e)[:100]}")
+            timed[cfg] = graph_time(lambda i: run(i, cfg), layers)
+        except Exception as e:
+            print(f"  {name} m={m} {label} {tuple(cfg)}: {type(e).__name__}: {str(e)[:100]}")
+
+    if m == 1:  # gemv's one-row kernel, scaled: what the op runs for one row of o and down
+        for c in ROW:
+            trial(gemv.Config(*c), lambda i, cfg: gemv.launch(x, qs[i], ys[i], cfg, scale=ss[i]), "one-row")
+    for cfg in grid(m):
+        trial(cfg, lambda i, c: int8_mm.launch(x, qs[i], ss[i], ys[i], c), "tile")
     best = min(timed, key=timed.get)
     picked_s = graph_time(lambda i: ys[i].copy_(int8_mm.linear(x, qs[i], ss[i])), layers)  # the op, as it picks
     print(f"{name} m={m}: cuBLAS bf16 {cublas * 1e6:.1f} us, dequant {dequant * 1e6:.1f}, "

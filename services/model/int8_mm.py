@@ -64,13 +64,9 @@ def applies(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, cfg: Config | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """x [M, K] (bf16/fp16, CUDA), q [N, K] int8, s [N] fp32 -> [M, N] in x's dtype."""
-    if cfg is None:
-        return _op()(x, q, s)
-    y = torch.empty(x.shape[0], q.shape[0], device=x.device, dtype=x.dtype)
-    launch(x, q, s, y, cfg)
-    return y
+    return _op()(x, q, s)
 
 
 if triton is not None:
