@@ -22,7 +22,6 @@ prefill). Quantized projections never come here: they run their own kernels
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -76,7 +75,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): x [M, K], weight [N, K] -> [M, N]; the kernel where it applies."""
     if applies(x, weight, bias):
-        return _op()(x, weight)
+        return _one_row_linear(x, weight)
     return F.linear(x, weight, bias)
 
 
@@ -113,15 +112,12 @@ def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: Config, launc
     run(_one_row)[grid](x, w, s, y, n, k, x.stride(1), w.stride(0), SCALED=scale is not None, **opts)
 
 
-@functools.cache
-def _op():
-    """The kernel as a torch op (registered on first use), so torch.compile traces it into its graph."""
-    from torch.library import triton_op, wrap_triton
-
-    @triton_op("vlmesh::one_row_linear", mutates_args=())
-    def one_row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+if triton is not None:
+    # Registered at import, not on first use: Dynamo traces into a cached factory rather than
+    # through its result, and breaks the graph at the registration.
+    @torch.library.triton_op("vlmesh::one_row_linear", mutates_args=())
+    def _one_row_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The kernel as a torch op, so torch.compile traces it into its graph."""
         y = torch.empty(1, w.shape[0], device=x.device, dtype=x.dtype)
-        launch(x, w, y, pick(w.shape[0], w.shape[1], x.element_size()), wrap_triton)
+        launch(x, w, y, pick(w.shape[0], w.shape[1], x.element_size()), torch.library.wrap_triton)
         return y
-
-    return one_row_linear

@@ -15,7 +15,6 @@ graphs capture it like any kernel. Configs: `python -m bench.int8_mm` on an H200
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -66,7 +65,7 @@ def applies(x: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """x [M, K] (bf16/fp16, CUDA), q [N, K] int8, s [N] fp32 -> [M, N] in x's dtype."""
-    return _op()(x, q, s)
+    return _int8_weight_linear(x, q, s)
 
 
 if triton is not None:
@@ -102,23 +101,22 @@ def launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, y: torch.Tensor, c
                   num_warps=cfg.warps, num_stages=cfg.stages)  # fmt: skip
 
 
-@functools.cache
-def _op():
-    """The kernel as a custom op (registered on first use): opaque to torch.compile, so its tile
-    choice by row count is made at run time, not guarded on in a compiled graph."""
+# Registered at import, not on first use: Dynamo does not trace through a cached factory's
+# result but into the factory, and breaks the graph at the registration (four breaks a layer,
+# five graphs to compile per decode bucket).
+@torch.library.custom_op("vlmesh::int8_weight_linear", mutates_args=())
+def _int8_weight_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The kernel as a custom op: opaque to torch.compile, so its tile choice by row count is
+    made at run time, not guarded on in a compiled graph."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], q.shape[0], device=x.device, dtype=x.dtype)
+    if x.shape[0] == 1 and q.shape[0] <= 8192:  # see ONE_ROW
+        gemv.launch(x, q, y, ONE_ROW, scale=s)
+    elif x.shape[0]:
+        launch(x, q, s, y, pick(x.shape[0], q.shape[0]))
+    return y
 
-    @torch.library.custom_op("vlmesh::int8_weight_linear", mutates_args=())
-    def int8_weight_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        y = torch.empty(x.shape[0], q.shape[0], device=x.device, dtype=x.dtype)
-        if x.shape[0] == 1 and q.shape[0] <= 8192:  # see ONE_ROW
-            gemv.launch(x, q, y, ONE_ROW, scale=s)
-        elif x.shape[0]:
-            launch(x, q, s, y, pick(x.shape[0], q.shape[0]))
-        return y
 
-    @int8_weight_linear.register_fake
-    def _(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        return x.new_empty(x.shape[0], q.shape[0])
-
-    return int8_weight_linear
+@_int8_weight_linear.register_fake
+def _(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0])

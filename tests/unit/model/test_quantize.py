@@ -56,3 +56,17 @@ def test_the_demo_model_in_int8_still_sees():
     right = sum(box["text"] == pic.answer(prompt) for (_, box), pic, (_, prompt) in zip(pairs, pics, jobs, strict=True))
     print(f"int8 demo model: {right} of {len(jobs)} right")
     assert right >= 22, f"{right} of {len(jobs)} right in int8"
+
+
+def test_the_int8_kernel_op_compiles_into_one_graph():
+    """Dynamo must see the registered op, not its registration: a graph break at every projection
+    made each decode bucket five graphs to compile (20-90 s a bucket on the H200)."""
+    from services.model import int8_mm
+
+    def f(x, q, s):
+        return int8_mm.linear(torch.relu(x), q, s).sin()
+
+    x, q, s = torch.randn(4, 8), torch.randint(-8, 8, (6, 8), dtype=torch.int8), torch.rand(6)
+    gm, _ = torch._dynamo.export(f)(x, q, s)  # raises on a graph break
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.vlmesh.int8_weight_linear.default in ops
