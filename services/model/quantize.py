@@ -50,10 +50,15 @@ def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: t
     logging.getLogger("torchao").setLevel(logging.ERROR)  # its optional extensions' load warnings
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
+    # set_inductor_config=False: by default torchao turns on inductor's coordinate-descent tuning
+    # (all directions) for the whole process, which spent 264 s of an int8 engine's warm-up on the
+    # H200 tuning the decode buckets' pointwise kernels (docs/PERF.md); bf16 compiles without it.
     if how == "int8":
-        config = Int8WeightOnlyConfig()
+        config = Int8WeightOnlyConfig(set_inductor_config=False)
     else:
-        config = Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d")
+        config = Int4WeightOnlyConfig(
+            group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d", set_inductor_config=False
+        )
     before = weight_bytes(layers)
     quantize_(layers, config)
     _unwrap(layers)

@@ -70,3 +70,12 @@ def test_the_int8_kernel_op_compiles_into_one_graph():
     gm, _ = torch._dynamo.export(f)(x, q, s)  # raises on a graph break
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert torch.ops.vlmesh.int8_weight_linear.default in ops
+
+
+def test_quantizing_leaves_inductor_settings_alone():
+    """torchao's default turns on coordinate-descent tuning process-wide (minutes of warm-up)."""
+    import torch._inductor.config as inductor
+
+    before = (inductor.coordinate_descent_tuning, inductor.coordinate_descent_check_all_directions)
+    quantize_decoder(nn.Sequential(nn.Linear(128, 64, bias=False)), "int8", CPU, torch.float32)
+    assert (inductor.coordinate_descent_tuning, inductor.coordinate_descent_check_all_directions) == before
