@@ -72,8 +72,8 @@ class MeshOptions:
         "--start-timeout-s",
         default=600.0,
         help="seconds each service may take to become healthy at start-up or restart; on a GPU the llm "
-        "compiles and captures its CUDA graphs first (about 1 minute in bf16, 4 with --quantize int8 on "
-        "an H200) (default %(default)s s)",
+        "compiles and captures its CUDA graphs first (about 1 minute in bf16 on an H200; "
+        "docs/PERF.md for the quantized engines) (default %(default)s s)",
     )
     extra_env: dict[str, str] = field(default_factory=dict)
 
