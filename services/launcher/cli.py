@@ -173,9 +173,9 @@ def options_from_args(values: argparse.Namespace | Mapping[str, Any], **given: A
     # batch must be reported under the flag the user typed.
     vision, llm = config("vision"), config("llm")
     gateway = config("gateway", admission_parallelism=llm.max_batch)  # admission sizes its queues by the batch
-    if not values.get("start_timeout_s", 1) > 0:
-        raise ValueError(f"--start-timeout-s {values['start_timeout_s']} must be > 0 (seconds)")
-    return from_args(MeshOptions, values, gateway=gateway, vision=vision, llm=llm, **given)
+    options = from_args(MeshOptions, values, gateway=gateway, vision=vision, llm=llm, **given)
+    options.check()
+    return options
 
 
 def options_from_flags(argv: Sequence[str] = (), **flags: Any) -> MeshOptions:

@@ -86,5 +86,10 @@ class MeshOptions:
 
         return options_from_flags(argv, **flags)
 
+    def check(self) -> None:
+        """The launcher's own flags (ValueError names the flag); each service's config checks its own."""
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"--start-timeout-s {self.start_timeout_s} must be > 0 (seconds)")
+
     def configs(self) -> dict[str, GatewayConfig | VisionConfig | LlmConfig]:
         return {"gateway": self.gateway, "vision": self.vision, "llm": self.llm}

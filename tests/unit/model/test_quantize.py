@@ -72,10 +72,12 @@ def test_the_int8_kernel_op_compiles_into_one_graph():
     assert torch.ops.vlmesh.int8_weight_linear.default in ops
 
 
-def test_quantizing_leaves_inductor_settings_alone():
-    """torchao's default turns on coordinate-descent tuning process-wide (minutes of warm-up)."""
+def test_quantizing_leaves_inductor_settings_alone(monkeypatch):
+    """torchao's default turns on coordinate-descent tuning process-wide (minutes of warm-up).
+    Both start off here, whatever an earlier quantization in this process left them at."""
     import torch._inductor.config as inductor
 
-    before = (inductor.coordinate_descent_tuning, inductor.coordinate_descent_check_all_directions)
+    for name in ("coordinate_descent_tuning", "coordinate_descent_check_all_directions"):
+        monkeypatch.setattr(inductor, name, False)
     quantize_decoder(nn.Sequential(nn.Linear(128, 64, bias=False)), "int8", CPU, torch.float32)
-    assert (inductor.coordinate_descent_tuning, inductor.coordinate_descent_check_all_directions) == before
+    assert not inductor.coordinate_descent_tuning and not inductor.coordinate_descent_check_all_directions
