@@ -36,6 +36,7 @@ from services.llm.block_manager import BlockManager
 from services.llm.kv_cache import KvConfig, page_bytes
 from services.llm.runner import ModelRunner
 from services.llm.scheduler import Chunk
+from services.model.qlinear import Int4Linear, Int8Linear
 from services.model.quantize import weight_bytes as stored_bytes
 from services.model.spec import load_spec
 
@@ -99,7 +100,7 @@ def time_prefill(
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             one_step()
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=profile_rows)
-    params = sum(p.numel() for p in runner.model.parameters()) - runner.model.embed_tokens.weight.numel()
+    params = matmul_weights(runner.model)
     return {
         "mode": "chunks" if runner.packed is None else "packed",
         "prompts": prompts,
@@ -144,6 +145,18 @@ def copy_bandwidth(nbytes: int = 2**31, iters: int = 20) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / 1000)
     return 2 * nbytes / statistics.median(times[3:])
+
+
+def matmul_weights(model: torch.nn.Module) -> int:
+    """Weights a prompt token multiplies by: all but the embedding table, quantized projections
+    counted as in x out (their packed data holds several weights an element)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Int4Linear | Int8Linear):
+            total += module.in_features * module.out_features
+        elif module is not model.embed_tokens:
+            total += sum(p.numel() for p in module.parameters(recurse=False))
+    return total
 
 
 def weight_bytes(runner: ModelRunner, batch: int) -> int:

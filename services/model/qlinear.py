@@ -33,8 +33,23 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
+# Rows up to which an int8 projection on CUDA runs services/model/int8_mm.py's kernel. Decode-sized
+# rows are bound by reading the weight, where the kernel's 1 byte a weight wins (H200, a 7B layer's
+# four projections: 77 us at 8 rows, 109 at 32, bf16 cuBLAS 115-118); prompt-sized rows are bound
+# by compute, where the kernel feeds the tensor cores at half of cuBLAS's rate (662 against 341 us
+# at 640 rows). More rows convert the weight to bf16 (exact: |q| <= 127) and run cuBLAS, the
+# per-channel scale applied to the product: some 150 us a layer of conversion (read 1 byte a weight,
+# write 2), fused by inductor where the layer is compiled. The packed prefill's smallest row bucket
+# is 128, a decode batch at most 32: anything between is rare and either side serves it.
+INT8_KERNEL_ROWS = 64
+
+
 class Int8Linear(nn.Module):
-    """y = (x Q^T) s (+ b): Q [out, in] int8, s [out] fp32, one scale per output channel."""
+    """y = (x Q^T) s (+ b): Q [out, in] int8, s [out] fp32, one scale per output channel.
+
+    On CUDA in bf16/fp16 up to INT8_KERNEL_ROWS rows: the int8 kernel; otherwise (prompt rows, the
+    CPU, fp32) torchao's weight-only math, the weight converted to x's dtype and cuBLAS.
+    """
 
     def __init__(self, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -44,19 +59,30 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else _frozen(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if int8_mm.applies(x):
+        if int8_mm.applies(x) and x.shape[0] <= INT8_KERNEL_ROWS:
             y = int8_mm.linear(x, self.qdata, self.scale)
-        else:  # torchao's weight-only int8 math (the CPU, fp32 on CUDA)
-            y = F.linear(x, self.qdata.to(x.dtype)) * self.scale.to(x.dtype)
+        else:  # the scale in fp32 on the product, as the kernel applies it
+            y = (F.linear(x, self.qdata.to(x.dtype)).float() * self.scale).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
+# Rows up to which an int4 projection runs tinygemm. tinygemm is a small-batch kernel: on the H200,
+# 7B shapes, a decode step took 2.94 ms at batch 1 (bf16 4.18) but 18.2 at 32 (bf16 7.1), and a
+# 608-token prefill 286 ms (bf16 13). More rows dequantize the weight to bf16 (reading 0.5 bytes a
+# weight, writing 2) and run cuBLAS: about 7 ms a 7B step more than bf16, not 20x (docs/PERF.md).
+INT4_TINYGEMM_ROWS = 16
+
+
 class Int4Linear(nn.Module):
-    """tinygemm's grouped int4 matmul (`aten._weight_int4pack_mm`, bf16, CUDA).
+    """Grouped int4 weights: tinygemm's matmul (`aten._weight_int4pack_mm`, bf16, CUDA) for up to
+    INT4_TINYGEMM_ROWS rows, a dequantized bf16 weight and cuBLAS for more.
 
     `qdata` is the weight packed to tinygemm's 4-d tiles from [out_padded, in_padded] (in padded
     to a multiple of 1024, as torchao packs it); `scale_and_zero` [in_padded / group, out_padded,
-    2] bf16.
+    2] bf16. `nibbles` [out, in_padded / 2] uint8 holds the same 4-bit codes two a byte (see
+    int4_codes), for the dequantizing path: tinygemm's tiles cannot be unpacked by tensor ops. It
+    is a buffer, not a parameter: a decode step reads only the tiles, and weight_bytes counts what
+    a step reads; it costs another 0.5 bytes a weight of memory.
     """
 
     def __init__(self, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: int,
@@ -68,11 +94,52 @@ class Int4Linear(nn.Module):
         self.qdata = _frozen(qdata.contiguous())
         self.scale_and_zero = _frozen(scale_and_zero.contiguous())
         self.bias = None if bias is None else _frozen(bias)
+        # tinygemm's own dequantization: the identity through its matmul gives W^T [in_padded,
+        # out_padded] as the kernel sees it (a few ms a layer, once, at load).
+        eye = torch.eye(self.in_padded, device=qdata.device, dtype=torch.bfloat16)
+        dense = torch.ops.aten._weight_int4pack_mm(eye, self.qdata, group, self.scale_and_zero)
+        sz = self.scale_and_zero[:, : self.out_features]
+        self.register_buffer("nibbles", int4_codes(dense[:, : self.out_features].t(), sz, group), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = x.to(torch.bfloat16)
         if self.in_padded != self.in_features:
             a = F.pad(a, (0, self.in_padded - self.in_features))
-        y = torch.ops.aten._weight_int4pack_mm(a, self.qdata, self.group, self.scale_and_zero)
-        y = y[:, : self.out_features].to(x.dtype)
+        if a.shape[0] <= INT4_TINYGEMM_ROWS:
+            y = torch.ops.aten._weight_int4pack_mm(a, self.qdata, self.group, self.scale_and_zero)
+            y = y[:, : self.out_features]
+        else:
+            sz = self.scale_and_zero[:, : self.out_features]
+            y = F.linear(a, int4_dequantize(self.nibbles, sz, self.group))
+        y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+def _scale_zero(scale_and_zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[groups, out, 2] -> scale, zero as [out, groups, 1] fp32 (broadcast over a group's inputs)."""
+    sz = scale_and_zero.float().transpose(0, 1)
+    return sz[..., 0:1], sz[..., 1:2]
+
+
+def int4_codes(dense: torch.Tensor, scale_and_zero: torch.Tensor, group: int) -> torch.Tensor:
+    """The 4-bit codes of a dequantized weight dense [out, in] -> [out, in / 2] uint8, input
+    channel 2i in the high nibble and 2i+1 in the low one (torchao's order before tinygemm's tiles).
+
+    tinygemm's scheme: w = (q - 8) * scale + zero, per group of `group` inputs, q in 0..15; so
+    q = round((w - zero) / scale) + 8. A zero scale (a constant group) gives q = 8.
+    """
+    out, k = dense.shape
+    scale, zero = _scale_zero(scale_and_zero)
+    w = dense.float().reshape(out, k // group, group)
+    q = torch.where(scale == 0, 0.0, (w - zero) / scale).round() + 8
+    q = q.clamp(0, 15).to(torch.uint8).reshape(out, k // 2, 2)
+    return q[..., 0] << 4 | q[..., 1]
+
+
+def int4_dequantize(nibbles: torch.Tensor, scale_and_zero: torch.Tensor, group: int) -> torch.Tensor:
+    """nibbles [out, in / 2] uint8 (int4_codes' layout), scale_and_zero [in / group, out, 2] ->
+    the weight [out, in] in bf16."""
+    out = nibbles.shape[0]
+    q = torch.stack((nibbles >> 4, nibbles & 15), dim=-1).view(out, -1, group).float()  # [out, groups, group]
+    scale, zero = _scale_zero(scale_and_zero)
+    return ((q - 8) * scale + zero).reshape(out, -1).to(torch.bfloat16)

@@ -62,12 +62,16 @@ def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: t
     before = weight_bytes(layers)
     quantize_(layers, config)
     _unwrap(layers)
+    extra = sum(b.numel() * b.element_size() for b in layers.buffers() if b.dtype == torch.uint8)
+    if device.type == "cuda":  # the unpacking's temporaries, before the KV pool is sized
+        torch.cuda.empty_cache()
     log.info(
-        "decoder layers quantized to %s: %d linears, %.1f -> %.1f MiB of weights",
+        "decoder layers quantized to %s: %d linears, %.1f -> %.1f MiB of weights%s",
         how,
         len(linears),
         before / 2**20,
         weight_bytes(layers) / 2**20,
+        f" (+ {extra / 2**20:.1f} MiB of unpacked codes for prompt steps)" if extra else "",
     )
 
 
@@ -91,5 +95,6 @@ def _unwrap(layers: nn.Module) -> None:
 
 
 def weight_bytes(module: nn.Module) -> int:
-    """Bytes of the module's parameters as stored (quantized data and scales included)."""
+    """Bytes of the module's parameters as stored (quantized data and scales included): what a
+    decode step reads. Int4Linear's unpacked codes for prompt steps are a buffer, not counted."""
     return sum(p.numel() * p.element_size() for p in module.parameters())

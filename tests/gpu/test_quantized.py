@@ -1,5 +1,6 @@
 """The quantized projections on a GPU: the int8 kernel against fp64, compiled and in a CUDA graph,
-and int4 (tinygemm) close to bf16."""
+int4 (tinygemm) close to bf16, and both kinds' prompt path (the weight converted to bf16, cuBLAS)
+against their decode path."""
 
 from __future__ import annotations
 
@@ -67,3 +68,40 @@ def test_each_kind_stays_close_to_bf16_and_stores_its_bytes(how, bytes_per_weigh
     assert 0 < err < (0.02 if how == "int8" else 0.15), f"{how}: relative error {err}"
     stored = weight_bytes(layers) / weights
     assert bytes_per_weight <= stored < bytes_per_weight * 1.1, f"{how}: {stored:.3f} bytes a weight"
+
+
+@pytest.mark.parametrize("how", ["int8", "int4"])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (4096, 11008), (200, 256)])
+def test_the_prompt_path_agrees_with_the_decode_path(how, n, k):
+    """Past INT8_KERNEL_ROWS / INT4_TINYGEMM_ROWS rows a projection converts its weight to bf16 and
+    runs cuBLAS: the same rows through the decode-sized kernel, a few at a time, give the same output."""
+    from services.model.qlinear import INT4_TINYGEMM_ROWS, INT8_KERNEL_ROWS
+
+    torch.manual_seed(n + k)
+    layers = nn.Sequential(nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+    quantize_decoder(layers, how, CUDA, torch.bfloat16)
+    few = INT8_KERNEL_ROWS if how == "int8" else INT4_TINYGEMM_ROWS
+    x = torch.randn(4 * few + 8, k, device="cuda", dtype=torch.bfloat16)
+    small = torch.cat([layers(x[i : i + few]) for i in range(0, x.shape[0], few)])
+    many = layers(x)  # one call past the limit: the converted weight
+    err = ((many.float() - small.float()).norm() / small.float().norm()).item()
+    assert err < 1e-2, f"{how}: the decode path against the prompt path: relative error {err}"
+    compiled = torch.compile(lambda t: layers(t), dynamic=True)(x)  # as the prefill's layer halves run
+    err = ((compiled.float() - many.float()).norm() / many.float().norm()).item()
+    assert err < 1e-2, f"{how}: compiled prompt path: relative error {err}"
+
+
+@pytest.mark.parametrize("n, k", [(4096, 4096), (4096, 11008), (200, 256)])
+def test_int4s_unpacked_codes_are_tinygemms_weight(n, k):
+    """The int4 prompt path's codes reproduce tinygemm's own dequantization of its tiles."""
+    from services.model.qlinear import int4_dequantize
+
+    torch.manual_seed(n + k)
+    layers = nn.Sequential(nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+    quantize_decoder(layers, "int4", CUDA, torch.bfloat16)
+    layer = layers[0]
+    eye = torch.eye(layer.in_padded, device="cuda", dtype=torch.bfloat16)
+    tiles = torch.ops.aten._weight_int4pack_mm(eye, layer.qdata, layer.group, layer.scale_and_zero)[:, :n].t()
+    mine = int4_dequantize(layer.nibbles, layer.scale_and_zero[:, :n], layer.group)
+    assert (mine.float() - tiles.float()).abs().max() <= 2e-2 * tiles.float().abs().max()
+    assert layer.nibbles.numel() == n * layer.in_padded // 2

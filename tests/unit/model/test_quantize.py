@@ -81,3 +81,26 @@ def test_quantizing_leaves_inductor_settings_alone(monkeypatch):
         monkeypatch.setattr(inductor, name, False)
     quantize_decoder(nn.Sequential(nn.Linear(128, 64, bias=False)), "int8", CPU, torch.float32)
     assert not inductor.coordinate_descent_tuning and not inductor.coordinate_descent_check_all_directions
+
+
+def test_int4_codes_unpack_tinygemms_weight_and_dequantize_to_it():
+    """The int4 prompt path's codes (Int4Linear.nibbles) come from tinygemm's dequantized weight;
+    on the CPU the weight is made here by tinygemm's formula, w = (q - 8) * scale + zero."""
+    from services.model.qlinear import int4_codes, int4_dequantize
+
+    gen = torch.Generator().manual_seed(3)
+    out, k, group = 6, 512, 128
+    q = torch.randint(0, 16, (out, k), generator=gen)
+    scale = (torch.rand(k // group, out, generator=gen) * 0.02).to(torch.bfloat16)
+    scale[1, 2] = 0  # a constant group: every code reads as the zero point
+    zero = (torch.randn(k // group, out, generator=gen) * 0.05).to(torch.bfloat16)
+    sz = torch.stack((scale, zero), dim=-1)  # [groups, out, 2], as torchao packs it
+    s, z = scale.float().t().repeat_interleave(group, 1), zero.float().t().repeat_interleave(group, 1)
+    dense = ((q - 8) * s + z).to(torch.bfloat16)
+    nibbles = int4_codes(dense, sz, group)
+    assert nibbles.shape == (out, k // 2) and nibbles.dtype == torch.uint8
+    got = torch.stack((nibbles >> 4, nibbles & 15), dim=-1).view(out, k).long()
+    live = s != 0
+    assert torch.equal(got[live], q[live])
+    assert (got[~live] == 8).all()
+    assert torch.equal(int4_dequantize(nibbles, sz, group), dense)
