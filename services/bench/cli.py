@@ -83,7 +83,11 @@ def server_cpu_s(pids: list[int]) -> float:
     return total
 
 
-async def run_target(name: str, args, workloads, rates, qos_mix, tokenizer, endpoints: dict, pids: list[int]):
+async def run_target(
+    name: str, args, workloads, rates, qos_mix, tokenizer, endpoints: dict, pids: list[int], first_run: int = 1
+):
+    """Every workload at every level against one target; runs are numbered from `first_run` (their
+    distinct images, see RequestFactory; 0 is the same-answer check's)."""
     from services.bench.http_target import OpenAiTarget
     from services.bench.targets import HfTarget, InprocessTarget, MeshTarget
 
@@ -101,11 +105,11 @@ async def run_target(name: str, args, workloads, rates, qos_mix, tokenizer, endp
     closed = args.closed_loop
     try:
         for wl in workloads:
-            factory = RequestFactory(WORKLOADS[wl], tokenizer, args.seed, qos_mix)
             if isinstance(target, HfTarget) and target.static:
                 print(f"  {name} {wl}: compiling transformers' static-cache decode (untimed) ...", file=sys.stderr)
-                await target.warm_up(factory.make(10**9))
+                await target.warm_up(RequestFactory(WORKLOADS[wl], tokenizer, args.seed, qos_mix).make(10**9))
             for kind, level in [("rate", r) for r in rates] + [("closed", c) for c in closed]:
+                factory = RequestFactory(WORKLOADS[wl], tokenizer, args.seed, qos_mix, run=first_run + len(runs))
                 cpu0, wall0 = server_cpu_s(pids), time.perf_counter()
                 if kind == "rate":
                     recs, client = await run_open_loop(target, factory, level, args.duration, args.seed, f"{name} {wl}")
@@ -235,17 +239,18 @@ def main(argv: list[str] | None = None) -> int:
         if any(a != b for a, b in pairs):
             say("the mesh and vLLM answer differently: they would not be doing the same work; stopping")
             return 1
-    if {"mesh", "mesh-http"} <= set(targets) and (args.feature_cache_mib or args.prefix_cache):
+    if {"mesh", "mesh-http"} <= set(targets) and "W3" in workloads and (args.feature_cache_mib or args.prefix_cache):
         say(
-            "mesh and mesh-http run one after the other on one mesh: with its caches on, the second door hits "
-            "what the first cached (--feature-cache-mib 0 --no-prefix-cache compares the doors alone)"
+            "mesh and mesh-http run one after the other on one mesh: with its caches on, the second door's W3 "
+            "hits the pool the first cached (--feature-cache-mib 0 --no-prefix-cache compares the doors alone)"
         )
     runs, records = [], {}
     for group in groups(targets):
         with serve(group[0], args, say, http="mesh-http" in group) as (endpoints, pids):
             for name in group:
                 r, rec = eventloop.run(
-                    run_target(name, args, workloads, rates, qos_mix, tokenizer, endpoints, pids), args.event_loop
+                    run_target(name, args, workloads, rates, qos_mix, tokenizer, endpoints, pids, 1 + len(runs)),
+                    args.event_loop,
                 )
                 runs += r
                 records.update(rec)

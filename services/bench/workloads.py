@@ -67,12 +67,26 @@ def padded_prompt(tokenizer, n_tokens: int) -> str:
     return text
 
 
-class RequestFactory:
-    """Request i of a run is fixed by (seed, i): picture, QoS class, pool draw."""
+# Distinct image keys a run may take: run r's request i is key r * RUN_KEYS + i.
+RUN_KEYS = 10**6
 
-    def __init__(self, workload: Workload, tokenizer, seed: int, qos_mix: tuple[float, float, float]) -> None:
+
+class RequestFactory:
+    """Request i of a run is fixed by (seed, run, i): picture, QoS class, pool draw.
+
+    `run` numbers the runs of one bench invocation. A workload of distinct images gives each run
+    images of its own: with one sequence for every run, the second rate of a sweep re-sent the
+    first's images, and a mesh whose KV pool still held their pages served those W1 prompts from
+    its prefix cache (on the H200, 46-76% of an int8 sweep's later requests). A pool (W3) is one
+    set of images for every run, as its users send them.
+    """
+
+    def __init__(
+        self, workload: Workload, tokenizer, seed: int, qos_mix: tuple[float, float, float], run: int = 0
+    ) -> None:
         self.workload = workload
         self.seed = seed
+        self.first_key = run * RUN_KEYS
         self.prompt = padded_prompt(tokenizer, workload.prompt_tokens)
         self.prompt_tokens = len(tokenizer(self.prompt, add_special_tokens=False)["input_ids"])
         total = sum(qos_mix)
@@ -97,6 +111,6 @@ class RequestFactory:
 
     def make(self, i: int) -> BenchRequest:
         rng = np.random.default_rng([self.seed, 11, i])
-        key = int(rng.choice(self.workload.pool, p=self.pool_p)) if self.workload.pool else i
+        key = int(rng.choice(self.workload.pool, p=self.pool_p)) if self.workload.pool else self.first_key + i
         qos = QosLevel(int(rng.choice(3, p=self.qos_p)))
         return BenchRequest(i, self.image(key), key, self.prompt, self.workload.output_tokens, qos)

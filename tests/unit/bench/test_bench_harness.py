@@ -84,6 +84,13 @@ def test_workload_requests(tiny_model):
     w1 = RequestFactory(WORKLOADS["W1"], tok, 0, (0.2, 0.6, 0.2))
     assert len({w1.make(i).image for i in range(20)}) == 20  # all distinct
     assert w1.make(3).image == w1.make(3).image  # but reproducible
+    # The next run of a sweep sends images of its own (else a KV pool still holding the first
+    # run's pages answers W1 prompts from the prefix cache); a W3 pool is the same in every run.
+    w1_next = RequestFactory(WORKLOADS["W1"], tok, 0, (0.2, 0.6, 0.2), run=1)
+    assert not {w1.make(i).image for i in range(20)} & {w1_next.make(i).image for i in range(20)}
+    assert not {w1.make(i).image_key for i in range(20)} & {w1_next.make(i).image_key for i in range(20)}
+    w3_next = RequestFactory(WORKLOADS["W3"], tok, 0, (0.2, 0.6, 0.2), run=1)
+    assert w3_next.image(7) == w3.image(7)
 
 
 def test_closed_loop_keeps_n_in_flight_and_counts_everything(tiny_model):
