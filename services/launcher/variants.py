@@ -87,7 +87,13 @@ class VariantMesh:
         """The public HOST:PORT (Envoy's listener)."""
         return f"{self.listen[0]}:{self.listen[1]}"
 
-    def start(self, progress: Callable[[str], None] = print) -> None:
+    def gateway(self, name: str) -> str:
+        """Variant `name`'s own gateway, HOST:PORT."""
+        return self.meshes[name].target("gateway")
+
+    def start(self, progress: Callable[[str], None] = print, envoy: bool = True) -> None:
+        """Each variant's worker, then Envoy in front (`envoy=False`: none; callers then reach
+        each variant at its own gateway, `gateway(name)`)."""
         cheapest = min(self.variants, key=lambda v: COST[v.quantize])
         for v in sorted(self.variants, key=lambda v: COST[v.quantize]):  # one after another: each loads the checkpoint
             mesh = self.meshes[v.name]
@@ -96,9 +102,11 @@ class VariantMesh:
                 gateway = dataclasses.replace(mesh.opts.gateway, degrade_target=target, degrade_variant=cheapest.name)
                 mesh.opts = dataclasses.replace(mesh.opts, gateway=gateway)
             mesh.start(progress=lambda msg, name=v.name: progress(f"{name}: {msg}"))
+        if not envoy:
+            return
         gateways = {}
-        for name, mesh in self.meshes.items():
-            host, port = mesh.target("gateway").rsplit(":", 1)
+        for name in self.meshes:
+            host, port = self.gateway(name).rsplit(":", 1)
             gateways[name] = (host, int(port))
         config = self._run.path / "envoy.json"
         bootstrap = envoy_config(self.variants, gateways, self.listen, self.admin, self.tls)

@@ -65,7 +65,8 @@ class NativeEngineConfig:
         default="none",
         choices=QUANTIZATIONS,
         help="weight-only quantization of the decoder layers at load time, from the same checkpoint: int8 "
-        "(per-channel scales; CPU and CUDA) or int4 (groups of 128; CUDA and bf16 only) (default %(default)s)",
+        "(per-channel scales; CPU and CUDA) or int4 (groups of 128 input channels, or 64 or 32 where the widths "
+        "ask; CUDA and bf16 only) (default %(default)s)",
     )
     prefix_cache: bool = flag(
         "--prefix-cache",

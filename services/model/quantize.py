@@ -2,7 +2,8 @@
 
 - `int8`: per-output-channel int8 weights with one scale each (torchao's Int8WeightOnlyConfig);
   runs on the CPU and on CUDA.
-- `int4`: grouped int4 weights (groups of 128 input channels, a scale and zero point each) in
+- `int4`: grouped int4 weights (groups of 128 input channels, or 64 or 32 where the widths ask
+  for it; a scale and zero point each) in
   torchao's `tile_packed_to_4d` layout, whose matmul is tinygemm in core torch; CUDA and bf16
   only.
 
@@ -28,7 +29,20 @@ from services.model.qlinear import Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
 
-INT4_GROUP = 128
+# Input channels an int4 scale and zero point cover: 128 as torchao and the published int4
+# checkpoints use; a model whose widths are not whole groups of 128 (the demo model's 192) takes
+# the largest of tinygemm's smaller sizes that divides them all.
+INT4_GROUPS = (128, 64, 32)
+
+
+def int4_group(widths: set[int]) -> int:
+    """The int4 group for layers of these input widths; ValueError naming them when none fits."""
+    group = next((g for g in INT4_GROUPS if all(w % g == 0 for w in widths)), None)
+    if group is None:
+        raise ValueError(
+            f"--quantize int4 groups 32, 64 or 128 input channels; this model has layers of {sorted(widths)}"
+        )
+    return group
 
 
 def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: torch.dtype) -> None:
@@ -44,9 +58,7 @@ def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: t
                 f"--quantize int4 needs a CUDA GPU and bf16 (its tinygemm kernels), not {device.type} and "
                 f"{str(dtype).removeprefix('torch.')}: use --quantize int8 here"
             )
-        odd = sorted({m.in_features for m in linears if m.in_features % INT4_GROUP})
-        if odd:
-            raise ValueError(f"--quantize int4 groups {INT4_GROUP} input channels; this model has layers of {odd}")
+        group = int4_group({m.in_features for m in linears})
     logging.getLogger("torchao").setLevel(logging.ERROR)  # its optional extensions' load warnings
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
@@ -57,7 +69,7 @@ def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: t
         config = Int8WeightOnlyConfig(set_inductor_config=False)
     else:
         config = Int4WeightOnlyConfig(
-            group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d", set_inductor_config=False
+            group_size=group, int4_packing_format="tile_packed_to_4d", set_inductor_config=False
         )
     before = weight_bytes(layers)
     quantize_(layers, config)

@@ -71,7 +71,7 @@ def test_each_kind_stays_close_to_bf16_and_stores_its_bytes(how, bytes_per_weigh
 
 
 @pytest.mark.parametrize("how", ["int8", "int4"])
-@pytest.mark.parametrize("n, k", [(4096, 4096), (4096, 11008), (200, 256)])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (4096, 11008), (200, 256), (512, 192)])  # 192: int4 groups of 64
 def test_the_prompt_path_agrees_with_the_decode_path(how, n, k):
     """Past INT8_KERNEL_ROWS / INT4_TINYGEMM_ROWS rows a projection converts its weight to bf16 and
     runs cuBLAS: the same rows through the decode-sized kernel, a few at a time, give the same output."""
@@ -91,7 +91,7 @@ def test_the_prompt_path_agrees_with_the_decode_path(how, n, k):
     assert err < 1e-2, f"{how}: compiled prompt path: relative error {err}"
 
 
-@pytest.mark.parametrize("n, k", [(4096, 4096), (4096, 11008), (200, 256)])
+@pytest.mark.parametrize("n, k", [(4096, 4096), (4096, 11008), (200, 256), (512, 192)])
 def test_int4s_unpacked_codes_are_tinygemms_weight(n, k):
     """The int4 prompt path's codes reproduce tinygemm's own dequantization of its tiles."""
     from services.model.qlinear import int4_dequantize

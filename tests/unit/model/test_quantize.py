@@ -41,6 +41,16 @@ def test_none_changes_nothing_and_bad_kinds_say_what_to_do():
         quantize_decoder(layer, "fp8", CPU, torch.float32)
 
 
+def test_int4_takes_the_largest_group_that_divides_every_width():
+    from services.model.quantize import int4_group
+
+    assert int4_group({4096, 11008}) == 128  # Llama-7B
+    assert int4_group({192, 512}) == 64  # the demo model
+    assert int4_group({96, 4096}) == 32
+    with pytest.raises(ValueError, match=r"groups 32, 64 or 128 input channels; this model has layers of \[200, 256\]"):
+        int4_group({256, 200})
+
+
 def test_the_demo_model_in_int8_still_sees():
     """The native engine with --quantize int8 on the CPU answers the demo task as fp32 does."""
     pics = [shapes.render(np.random.default_rng([5150, i])) for i in range(24)]
