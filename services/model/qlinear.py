@@ -38,9 +38,11 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
 # four projections: 77 us at 8 rows, 109 at 32, bf16 cuBLAS 115-118); prompt-sized rows are bound
 # by compute, where the kernel feeds the tensor cores at half of cuBLAS's rate (662 against 341 us
 # at 640 rows). More rows convert the weight to bf16 (exact: |q| <= 127) and run cuBLAS, the
-# per-channel scale applied to the product: some 150 us a layer of conversion (read 1 byte a weight,
-# write 2), fused by inductor where the layer is compiled. The packed prefill's smallest row bucket
-# is 128, a decode batch at most 32: anything between is rare and either side serves it.
+# per-channel scale applied to the product; inductor fuses the conversion where the layer is
+# compiled. On the H200 a W1 prompt (608 positions) then took 17.85 ms against the kernel's 23.65
+# and bf16's 13.16 (docs/PERF.md): the conversion, read 1 byte a weight and write 2, is the rest.
+# The packed prefill's smallest row bucket is 128, a decode batch at most 32: rows between are
+# rare, and either side serves them.
 INT8_KERNEL_ROWS = 64
 
 
@@ -66,10 +68,12 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-# Rows up to which an int4 projection runs tinygemm. tinygemm is a small-batch kernel: on the H200,
-# 7B shapes, a decode step took 2.94 ms at batch 1 (bf16 4.18) but 18.2 at 32 (bf16 7.1), and a
-# 608-token prefill 286 ms (bf16 13). More rows dequantize the weight to bf16 (reading 0.5 bytes a
-# weight, writing 2) and run cuBLAS: about 7 ms a 7B step more than bf16, not 20x (docs/PERF.md).
+# Rows up to which an int4 projection runs tinygemm, a small-batch kernel: a 7B layer's four
+# projections took 65 us at 1 row, 141 at 8 and 461 at 32 (bf16 cuBLAS 107-128; BENCHMARKS.md).
+# More rows dequantize the weight to bf16 from its unpacked codes (read 0.5 bytes a weight, write 2)
+# and run cuBLAS. On the H200 (docs/PERF.md) a 7B decode step took 2.91 ms at batch 1 and 6.13 at 8
+# through tinygemm (bf16 4.18 and 5.42), 16.45 at 32 through the conversion (bf16 7.13), and a W1
+# prompt 21.89 ms (bf16 13.16).
 INT4_TINYGEMM_ROWS = 16
 
 
