@@ -34,7 +34,7 @@ from pathlib import Path
 
 from services.bench.args import build_parser, config_of, mesh_overrides, parse_args
 from services.bench.load import run_closed_loop, run_open_loop
-from services.bench.report import cache_table, compare_seeds, plot, summarize_run, table, write_json
+from services.bench.report import cache_table, compare_seeds, plot, qos_table, summarize_run, table, write_json
 from services.bench.workloads import WORKLOADS, RequestFactory
 from services.common import eventloop
 
@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_seeds:
         print(compare_seeds(runs))
     print(table(runs))
+    if classes := qos_table(runs):
+        print(classes)
     if caches := cache_table(runs):
         print(caches)
     return 0 if all(r["summary"]["lost"] == 0 for r in runs) else 1

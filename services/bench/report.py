@@ -9,6 +9,7 @@ from pathlib import Path
 from services.bench.load import Record
 from services.bench.stats import summarize
 from services.bench.targets import STAGES
+from services.common.qos import QosLevel
 
 # The write-ups' headline table (their hardware: 2x A10), for --compare-seeds.
 SEEDS = {
@@ -41,7 +42,48 @@ def summarize_run(records: list[Record], rate: float, duration_s: float, warmup_
         "outside_stages_ms": summarize([o.e2e_s * 1000 - sum(o.stages_ms.values()) for o in ok if o.stages_ms]),
         "client": {**client, "send_lag_ms": summarize(lag)},
         "cache": {**cache_summary(ok), "repeat_ratio": repeat_ratio(records, warmup_s)},
+        "by_qos": qos_summary(records, warmup_s),
     }
+
+
+def qos_summary(records: list[Record], warmup_s: float) -> dict:
+    """Per QoS class: the statuses of every request sent, e2e and TTFT of the measured OK ones.
+    The run's P99 is mostly the slowest class's; this says which class that was."""
+    out = {}
+    for level in QosLevel:
+        recs = [r for r in records if r.request.qos == level]
+        if not recs:
+            continue
+        ok = [r.outcome for r in recs if r.scheduled_s >= warmup_s and r.outcome.status == "OK"]
+        out[level.wire] = {
+            "sent": len(recs),
+            "statuses": dict(Counter(r.outcome.status for r in recs)),
+            "e2e_ms": summarize([o.e2e_s * 1000 for o in ok]),
+            "ttft_ms": summarize([o.ttft_s * 1000 for o in ok if o.ttft_s is not None]),
+        }
+    return out
+
+
+def qos_table(runs: list[dict]) -> str:
+    """One line per run and QoS class, for runs that sent more than one class; else ''."""
+    lines = [
+        f"{'target':<10}{'wl':<4}{'load':>6}  {'qos':<12}{'sent':>6}{'e2e p50':>9}{'p99':>8}{'ttft p99':>9}  statuses"
+    ]
+    for r in runs:
+        by_qos = r["summary"].get("by_qos", {})
+        if len(by_qos) < 2:
+            continue
+        for wire, c in by_qos.items():
+            e, t = c["e2e_ms"], c["ttft_ms"]
+            statuses = ",".join(f"{k}={v}" for k, v in sorted(c["statuses"].items()))
+            lines.append(
+                f"{r['target']:<10}{r['workload']:<4}{_load(r['summary']):>6}  {wire:<12}{c['sent']:6d}"
+                f"{e['p50']:9.1f}{e['p99']:8.1f}{t['p99']:9.1f}  {statuses}"
+            )
+    if len(lines) == 1:
+        return ""
+    lines.append("per QoS class: latencies in ms over the measured OK requests, statuses over every request sent")
+    return "\n".join(lines)
 
 
 def repeat_ratio(records: list[Record], warmup_s: float) -> float:

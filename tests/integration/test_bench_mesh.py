@@ -44,5 +44,9 @@ def test_bench_against_the_mesh(mesh, tiny_model, tmp_path):
         assert s["sent"] == sum(s["statuses"].values()) and s["lost"] == 0
         assert s["statuses"].get("OK") == s["sent"]
         assert s["e2e_ms"]["p99"] >= s["e2e_ms"]["p50"] > 0
+        assert sum(c["sent"] for c in s["by_qos"].values()) == s["sent"]
+        if run["workload"] == "W1":  # all distinct, the second rate's too: no cache may hit
+            assert s["cache"]["feature_hit_ratio"] == s["cache"]["prefix_hit_ratio"] == 0, s["cache"]
+    assert "per QoS class" in result.stdout
     assert (out / "latency-vs-throughput.png").stat().st_size > 1000
     assert (out / "latency-cdf.png").stat().st_size > 1000

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
 
 from services.bench.load import poisson_offsets, run_open_loop
-from services.bench.report import summarize_run
+from services.bench.report import qos_table, summarize_run
 from services.bench.stats import exponential_ks, percentile, summarize
 from services.bench.targets import Outcome
 from services.bench.workloads import WORKLOADS, RequestFactory, padded_prompt
@@ -71,6 +72,17 @@ def test_sent_equals_sum_of_statuses(tiny_model):
     assert summary["tpot_ms"]["p50"] == pytest.approx(6 / 15)
     qos = [r.request.qos for r in records]
     assert 0.1 < sum(q.wire == "realtime" for q in qos) / len(qos) < 0.3
+    by_qos = summary["by_qos"]
+    assert set(by_qos) == {"realtime", "standard", "best-effort"}
+    assert by_qos["realtime"]["sent"] == sum(q.wire == "realtime" for q in qos)
+    assert sum(c["sent"] for c in by_qos.values()) == summary["sent"]
+    for wire, c in by_qos.items():  # each class's statuses are its own requests'
+        assert c["statuses"] == dict(Counter(r.outcome.status for r in records if r.request.qos.wire == wire))
+    assert sum(c["e2e_ms"]["n"] for c in by_qos.values()) == summary["e2e_ms"]["n"]
+    run = {"target": "flaky", "workload": "W3", "summary": summary}
+    lines = qos_table([run]).splitlines()
+    assert [line.split()[3] for line in lines[1:4]] == ["realtime", "standard", "best-effort"]
+    assert qos_table([{**run, "summary": {**summary, "by_qos": {"standard": by_qos["standard"]}}}]) == ""
 
 
 def test_workload_requests(tiny_model):
