@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     with VariantMesh(opts, variants, opts.envoy_admin_port) as mesh:
         mesh.start(progress=lambda m: print(f"accuracy: {m}", file=sys.stderr, flush=True), envoy=not args.no_envoy)
         targets = {v.name: mesh.gateway(v.name) if args.no_envoy else mesh.target() for v in variants}
-        channels = {name: grpc.insecure_channel(target) for name, target in targets.items()}
-        stubs = {name: gateway_pb2_grpc.GatewayStub(channel) for name, channel in channels.items()}
+        channels = {target: grpc.insecure_channel(target) for target in set(targets.values())}
+        stubs = {name: gateway_pb2_grpc.GatewayStub(channels[target]) for name, target in targets.items()}
 
         def ask(job) -> tuple[str, str]:
             name, i, prompt = job
