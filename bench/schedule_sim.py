@@ -22,13 +22,13 @@ Every request is W1-shaped: 576 image and 32 text positions, 16 tokens out (the 
 prefill), the QoS mix 20/60/20, Poisson arrivals.
 
 `--lanes split` runs the engine's two-lane schedule instead (services/llm/split_loop.py): the
-scheduler's prefill plans (`schedule(decodes=False, whole_prompts=True)`) and decode plans
+scheduler's prefill plans (`schedule(decodes=False)`) and decode plans
 (`decodable()`) as two lanes at once, each step `--split-prefill-scale` / `--split-decode-scale`
 times its cost in a shared lane (the prefill on its partition of the SMs; no decode rides in it).
 
     python -m bench.schedule_sim [--rates 20,25,30,35,40] [--duration 600] [--seeds 3]
         [--overheads results.json.gz] [--decode-scale 1.0] [--prompt-scale 1.0]
-        [--max-prefill-tokens 2048] [--max-batch 32]
+        [--max-prefill-tokens 1024] [--max-batch 32]
         [--lanes split --split-prefill-scale 1.5 --split-decode-scale 1.0]
 """
 
@@ -47,7 +47,7 @@ from services.common.sampling import Sampling
 from services.llm.block_manager import BlockManager
 from services.llm.packed import decode_row_sizes, row_buckets
 from services.llm.request import Request
-from services.llm.scheduler import Scheduler
+from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS, Scheduler
 
 IMAGE, TEXT, OUT = 576, 32, 16
 GREEDY = Sampling(max_tokens=OUT, temperature=0.0, top_p=1.0, seed=None, stop=(), min_tokens=OUT, ignore_eos=True)
@@ -212,7 +212,7 @@ def simulate_split(rate: float, duration: float, seed: int, model: StepModel, ar
     while run.busy:
         run.admit()
         if lanes["prefill"] is None:
-            plan = sched.schedule(decodes=False, whole_prompts=True)
+            plan = sched.schedule(decodes=False)
             if plan.prefill:
                 rows = sum(c.end - c.start for c in plan.prefill)
                 ms = model.packed(rows, next(b for b in buckets if b >= rows), 0) * args.split_prefill_scale
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals per run")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of arrivals left out")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--max-prefill-tokens", type=int, default=2048)
+    p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS)
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--decode-ms", default="1:5.2,2:5.4,4:5.5,8:6.4,16:7.3,32:8.3", help="bucket:ms,...")
     p.add_argument("--decode-extra-ms", type=float, default=0.0)

@@ -38,8 +38,8 @@ class NativeEngineConfig:
         "--max-prefill-tokens",
         default=DEFAULT_MAX_PREFILL_TOKENS,
         help="prompt positions (image tokens included) prefilled per engine step, over all prompts in it; "
-        "a longer prompt is split across steps, and running decodes advance every step beside it "
-        "(default %(default)s)",
+        "a prompt joins a step only if it fits what is left whole, and one longer than the budget is "
+        "split across steps; running decodes advance every step beside it (default %(default)s)",
     )
     kv_page_size: int = flag(
         "--kv-page-size",

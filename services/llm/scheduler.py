@@ -3,8 +3,14 @@
 Each step it plans a `Plan`, the contract with the model runner:
 - **prefill chunks** under a token budget (`max_prefill_tokens`; image positions count like
   any other): first the prompts already being prefilled, in admission order, then new
-  requests admitted in QoS order (class, aged by waiting time, then arrival). A prompt
-  longer than what is left of the budget is split, and its next chunk comes next step;
+  requests admitted in QoS order (class, aged by waiting time, then arrival). A new prompt
+  joins a step that already holds prefill rows only if it fits what is left whole; alone in a
+  step, a prompt longer than the budget is split, and its next chunk comes next step. So no
+  prompt's head fills a step's leftover: its rows would cost the step as much as anywhere, but
+  the prompt would pay a chunk of its own later (a weight read for a few rows) and lose the
+  fresh-prompt path (services/llm/packed.py), and each running request waits through every
+  step with prompts for its next token: steps of one W1 prompt give them a token every 15 ms on
+  the H200, where a 2,048-row step of three gave one in 40 (docs/PERF.md, sixteenth session);
 - **decodes**: one token for every running request whose prefill is complete. Decodes run
   every step, beside whatever prefill the step holds. With `--lanes split` the engine asks for
   the two apart (`schedule(decodes=False)`, `decodable`), and a request in flight in one lane's
@@ -43,7 +49,7 @@ from services.llm.block_manager import BlockManager
 from services.llm.prefix import page_keys
 from services.llm.request import Request
 
-DEFAULT_MAX_PREFILL_TOKENS = 2048
+DEFAULT_MAX_PREFILL_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -104,14 +110,9 @@ class Scheduler:
     def free_places(self) -> int:
         return self.max_batch - len(self.running)
 
-    def schedule(self, decodes: bool = True, whole_prompts: bool = False) -> Plan:
+    def schedule(self, decodes: bool = True) -> Plan:
         """The next step's plan; `decodes` False: its prefill alone (the prefill lane's, `--lanes
-        split`). Requests in flight in another lane's step are left out of it.
-
-        `whole_prompts`: a new prompt joins a step that already holds one only if it fits whole
-        (the prefill lane's rule: no decode shares its steps, so filling the budget with the head of
-        the next prompt would only cost it a chunk of its own, and its fresh-prompt path).
-        """
+        split`). Requests in flight in another lane's step are left out of it."""
         plan = Plan()
         budget = self.max_prefill_tokens
         decoding = []
@@ -125,7 +126,7 @@ class Scheduler:
                 plan.prefill.append(Chunk(req, req.computed, end))
                 budget -= end - req.computed
         if self._waiting and budget > 0:
-            budget = self._admit(plan, budget, whole_prompts)
+            budget = self._admit(plan, budget)
         if plan.preempted:  # a victim's chunk or decode this step is dropped with it
             gone = {id(r) for r in plan.preempted}
             plan.prefill = [c for c in plan.prefill if id(c.req) not in gone]
@@ -138,7 +139,7 @@ class Scheduler:
         """The decode lane's next step: every running request past its prefill and not in flight."""
         return [r for r in self.running if not r.prefilling and not r.in_flight]
 
-    def _admit(self, plan: Plan, budget: int, whole_prompts: bool = False) -> int:
+    def _admit(self, plan: Plan, budget: int) -> int:
         now = self.clock()
         # Sorting a short queue costs less than keeping an aged heap.
         self._waiting.sort(key=lambda r: (self._class(r, now), r.arrival))
@@ -147,7 +148,7 @@ class Scheduler:
             if req.aborted:
                 self._pop()
                 continue
-            if whole_prompts and plan.prefill and req.seq_len > budget:  # (a cached prefix would only shrink it)
+            if plan.prefill and req.seq_len > budget:  # whole or not yet (a cached prefix would only shrink it)
                 return budget
             shared = self._cached_prefix(req)
             new_pages = self.blocks.pages_for(self._tokens(req)) - len(shared)

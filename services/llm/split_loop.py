@@ -5,9 +5,8 @@ next token; at W1's 35 req/s on the H200 prompt steps were some 58% of the engin
 the P99 followed them (docs/PERF.md). Split, the runner has two lanes (services/llm/lane.py; on
 CUDA each on SMs of its own) and this loop keeps both busy:
 
-- an idle prefill lane launches the scheduler's next prefill plan (`schedule(decodes=False,
-  whole_prompts=True)`: admission, QoS order, preemption and the token budget as in a shared
-  step, but a prompt joins a step with another only if it fits whole);
+- an idle prefill lane launches the scheduler's next prefill plan (`schedule(decodes=False)`:
+  admission, QoS order, preemption and the token budget as in a shared step);
 - an idle decode lane launches one token for every request past its prefill (`decodable`);
 - then it waits for whichever lane's step ends first (polling both lanes' events, and waking
   early when new work arrives for an idle lane), completes it, and goes round again.
@@ -58,7 +57,7 @@ def run_split(engine: NativeEngine) -> None:
         engine._drain_inbox()
         planned = False  # a plan came, even if its launch failed: look again before sleeping
         if runner.prefill_lane.name not in flying:
-            plan = sched.schedule(decodes=False, whole_prompts=True)
+            plan = sched.schedule(decodes=False)
             planned |= launch(engine, flying, runner.prefill_lane, plan)
         if runner.decode_lane.name not in flying:
             decodes = sched.decodable()

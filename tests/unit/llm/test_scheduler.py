@@ -175,18 +175,19 @@ def test_whole_prompts_start_no_prompt_in_the_leftover_of_a_step():
     sched = scheduler(max_batch=4, budget=30)
     for rid in ("a", "b", "c"):
         sched.add(FakeRequest(rid, QosLevel.STANDARD, 0.0, prompt=12))
-    whole = sched.schedule(decodes=False, whole_prompts=True)
+    whole = sched.schedule(decodes=False)
     assert [(c.req.id, c.start, c.end) for c in whole.prefill] == [("a", 0, 12), ("b", 0, 12)]  # c: 12 > 6 left
     run_plan(whole)
-    alone = sched.schedule(decodes=False, whole_prompts=True)
+    alone = sched.schedule(decodes=False)
     assert [(c.req.id, c.start, c.end) for c in alone.prefill] == [("c", 0, 12)]
     big = scheduler(max_batch=4, budget=30)
     big.add(FakeRequest("long", QosLevel.STANDARD, 0.0, prompt=50))
-    assert [(c.start, c.end) for c in big.schedule(whole_prompts=True).prefill] == [(0, 30)]  # alone: chunked
-    filled = scheduler(max_batch=4, budget=30)
-    for rid in ("a", "b", "c"):
-        filled.add(FakeRequest(rid, QosLevel.STANDARD, 0.0, prompt=12))
-    assert [c.end - c.start for c in filled.schedule().prefill] == [12, 12, 6]  # the shared lane's rule
+    big.add(FakeRequest("next", QosLevel.STANDARD, 0.0, prompt=4))
+    first = big.schedule()
+    assert [(c.req.id, c.start, c.end) for c in first.prefill] == [("long", 0, 30)]  # alone: chunked
+    run_plan(first)
+    rest = big.schedule()  # the long prompt's rest goes on first; a whole prompt fits beside it
+    assert [(c.req.id, c.start, c.end) for c in rest.prefill] == [("long", 30, 50), ("next", 0, 4)]
 
 
 def test_only_realtime_preempts_and_only_best_effort_is_preempted():
@@ -227,9 +228,10 @@ def test_prompts_are_chunked_under_the_token_budget_and_decodes_run_every_step()
         steps.append(([(c.req.id, c.start, c.end) for c in plan.prefill], [r.id for r in plan.decode]))
         run_plan(plan)
     assert steps == [
-        ([("short", 0, 6), ("long", 0, 10)], []),  # both admitted; the long prompt takes what the budget leaves
-        ([("long", 10, 26)], ["short"]),  # the short one decodes while the long one is still prefilling
-        ([("long", 26, 40)], ["short"]),
+        ([("short", 0, 6)], []),  # the long prompt does not fill what the budget leaves...
+        ([("long", 0, 16)], ["short"]),  # ...it starts a step of its own, in chunks of the budget
+        ([("long", 16, 32)], ["short"]),  # the short one decodes while the long one is still prefilling
+        ([("long", 32, 40)], ["short"]),
     ]
     assert long.output_ids == [1]  # its last chunk sampled its first token
 
