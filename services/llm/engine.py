@@ -1,7 +1,11 @@
 """The native llm engine: `schedule -> run -> postprocess` on one dedicated thread.
 
-With `--lanes split` the thread keeps a prefill step and a decode step in flight at once
-(services/llm/split_loop.py); the bookkeeping around a step (`_begin`, `_complete`) is the same.
+The thread launches each step before it hands out the tokens of the one ahead of it
+(services/llm/shared_loop.py); with `--lanes split` it keeps a prefill step and a decode step in
+flight at once (services/llm/split_loop.py). The bookkeeping around a step (`_begin`,
+`_complete`) is the same in both. A request ended while a launched step holds it (a cancel, a
+stop found in the tokens of the step ahead) is answered at once; its pages and leases go when
+no launched step holds it (`_release`).
 
 It implements the Engine interface (services/llm/interface.py) without gRPC: `submit`
 builds a Request and streams its `Output`s to the caller's event loop; `abort` stops a
@@ -25,9 +29,11 @@ from services.common.metrics import BATCH_SIZE, KV_PAGES, KV_SLOTS, PREEMPTIONS,
 from services.common.qos import QosLevel
 from services.llm.block_manager import BlockManager
 from services.llm.interface import EngineStats, Job, Leases
+from services.llm.lane import Launched
 from services.llm.request import Finish, Output, Request
 from services.llm.runner import ModelRunner
 from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS, Plan, Scheduler
+from services.llm.shared_loop import run_shared
 from services.llm.split_loop import run_split
 from services.llm.step_trace import StepTrace
 from services.llm.submit import QueuedSubmission, new_request, queued_emit
@@ -56,7 +62,9 @@ class NativeEngine:
         self.runner = runner
         self.prompts, self.default_max_tokens = prompts, default_max_tokens
         pages = BlockManager(runner.n_pages, runner.page_size)
-        self.scheduler = Scheduler(max_batch, pages, max_prefill_tokens, prefix_cache=prefix_cache)
+        self.scheduler = Scheduler(
+            max_batch, pages, max_prefill_tokens, prefix_cache=prefix_cache, follow=not runner.split
+        )
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -65,7 +73,8 @@ class NativeEngine:
         self._trace = StepTrace(step_trace) if step_trace else None
         if self._trace:
             for lane in runner.lanes.values():
-                lane.fetch.timed = True  # each step's device span, for the trace
+                for fetch in lane.fetches:
+                    fetch.timed = True  # each step's device span, for the trace
         sched = self.scheduler
         KV_SLOTS.labels("used").set_function(lambda: len(sched.running))
         KV_SLOTS.labels("free").set_function(lambda: sched.free_places)
@@ -128,48 +137,30 @@ class NativeEngine:
             req = next((r for r in self.scheduler.running if r.id == request_id), None)
         if req is not None:
             req.aborted = True
-            if not req.in_flight:  # else its step may still write its pages: it ends when that step does
-                self._finish(req, Finish.ABORT)
+            self._finish(req, Finish.ABORT)  # what it holds goes once no launched step holds it
 
     def _loop(self) -> None:
         if self.runner.split:
             run_split(self)  # services/llm/split_loop.py: a prefill and a decode step in flight at once
         else:
-            self._run_shared()
+            run_shared(self)  # services/llm/shared_loop.py: each step launched before the one ahead ends
         for req in list(self.scheduler.running) + self.scheduler.all_waiting():
             self._finish(req, Finish.ABORT, "the llm server is shutting down")
         if self._trace:
             self._trace.close()
 
-    def _run_shared(self) -> None:
-        while not self._stop:
-            self._drain_inbox()
-            plan = self.scheduler.schedule()
-            if plan.empty:
-                self._wake.wait()
-                self._wake.clear()
-                if self._trace:
-                    self._trace.idle()
-                continue
-            try:
-                self._step(plan)
-            except Exception as err:  # fail the step's requests, keep serving the rest
-                self._fail([c.req for c in plan.prefill] + plan.decode, err)
-
     def _fail(self, reqs: list[Request], err: Exception) -> None:
         log.exception("engine step failed")
         for req in reqs:
-            req.in_flight = False
             if req.running:
                 self._finish(req, Finish.ERROR, f"engine step failed: {type(err).__name__}: {err}")
 
-    def _step(self, plan: Plan) -> None:
-        launched = self._begin(plan)
-        if launched is None:
-            return
-        chunks, decodes, start = launched
-        lane = self.runner.launch(chunks, decodes, self.runner.prefill_lane)
-        self._complete(chunks, decodes, lane, start)
+    def _land(self, reqs: list[Request]) -> None:
+        """A step that held these has ended: release those that ended meanwhile and nothing holds now."""
+        for req in reqs:
+            req.in_flight -= 1
+            if req.ended:
+                self._release(req)
 
     def _begin(self, plan: Plan) -> tuple[list, list[Request], float] | None:
         """A plan's bookkeeping before its launch: what it runs (chunks whose leases hold, decodes
@@ -193,31 +184,31 @@ class NativeEngine:
             BATCH_SIZE.labels("llm").observe(len(decodes))
         return chunks, decodes, time.perf_counter()
 
-    def _complete(self, chunks: list, decodes: list[Request], lane, launched: float) -> None:
+    def _complete(self, step: Launched, lane: str = "shared") -> None:
         """A launched step's end: wait for its tokens (the host sync: its reads are done), then
         register its prompt pages, release the features it read, and hand out the tokens."""
-        tokens = lane.fetch.wait()
-        held = [c.req for c in chunks] + decodes
-        for req in held:
-            req.in_flight = False
-            if req.aborted and req.running:  # cancelled while in flight: its pages were kept till now
-                self._finish(req, Finish.ABORT)
+        chunks, decodes, fetch = step.chunks, step.decodes, step.fetch
+        try:
+            tokens = fetch.wait()
+        finally:
+            self._land(step.held)
         for c in chunks:
+            if c.req.ended or not c.req.running:
+                continue
             self.scheduler.computed(c.req)  # its full prompt pages, for the prompts after it
             if c.req.leases and c.req.computed >= c.req.features_end and self._leases_hold(c.req, 0):
                 c.req.drop_leases()  # read, and not reused while it was read
         done = time.perf_counter()
         completed = [c.req for c in chunks if c.completes]  # the runner's tokens: these, then the decodes
         for req in completed:
-            if not req.prefill_done_at:  # a resumed request keeps its first prefill's clock
+            if not req.prefill_done_at and req.running:  # a resumed request keeps its first prefill's clock
                 req.prefill_done_at = done
         self._postprocess(completed + decodes, tokens)
         if self._trace:
             rows = sum(c.end - c.start for c in chunks)
-            fetch = lane.fetch
             device = fetch.device_ms()
             self._trace.record(
-                launched, done, time.perf_counter(), rows, len(chunks), len(decodes), fetch.marked_at, device, lane.name
+                step.launched, done, time.perf_counter(), rows, len(chunks), len(decodes), fetch.marked_at, device, lane
             )
 
     def _leases_hold(self, req: Request, start: int) -> bool:
@@ -233,7 +224,7 @@ class NativeEngine:
 
     def _postprocess(self, reqs: list[Request], tokens: list[int]) -> None:
         for req, tok in zip(reqs, tokens, strict=True):
-            if not req.running:  # failed during the step (a lease lost while its features were read)
+            if req.ended or not req.running:  # ended or preempted while the step ran: its token goes
                 continue
             if tok in self.eos and not req.sampling.ignore_eos:
                 self._finish(req, Finish.STOP)
@@ -242,7 +233,7 @@ class NativeEngine:
             text, stopped = req.detok.push(tok)
             if stopped:
                 self._finish(req, Finish.STOP, text=text, token_ids=[tok])
-            elif len(req.output_ids) >= req.max_new or req.computed + 1 >= self.runner.max_context:
+            elif len(req.output_ids) >= req.max_new or req.seq_len >= self.runner.max_context:
                 self._finish(req, Finish.LENGTH, text=text, token_ids=[tok])
             else:
                 req.emit(Output(text, [tok]))
@@ -255,10 +246,19 @@ class NativeEngine:
         text: str = "",
         token_ids: list[int] | None = None,
     ) -> None:
-        """End a request; its last token rides on the final output (one message less to relay)."""
-        req.drop_leases()
-        self.scheduler.finish(req)
+        """End a request (once); its last token rides on the final output (one message less to relay).
+
+        What it holds goes now, or when the last launched step that holds it has ended."""
+        if req.ended:
+            return
         req.finished_at = time.perf_counter()
         if finish in (Finish.STOP, Finish.LENGTH):
             text += req.detok.flush()
         req.emit(Output(text, token_ids or [], finish=finish, error=error))
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """An ended request's pages, place and leases, once no launched step may read or write them."""
+        if not req.in_flight:
+            req.drop_leases()
+            self.scheduler.finish(req)

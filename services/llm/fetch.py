@@ -1,5 +1,9 @@
 """A step's tokens to the host: one copy into pinned memory, one sync.
 
+The tokens also stay on the device (`tokens`), where the next step, launched before this one's
+tokens are read, takes the ones it feeds (services/llm/runner.py). A lane has two fetches and
+alternates them, so the step in flight and the one after it never share a buffer.
+
 With `timed` on (the engine's `--step-trace`), it also says where a CUDA step's time went:
 `mark()` records an event as the step's first device work is queued, and the event that ends
 the step closes the span, so `device_ms` is the device's time from the step's first work to its
@@ -17,8 +21,10 @@ import torch
 
 
 class TokenFetch:
-    def __init__(self, max_batch: int, cuda: bool) -> None:
+    def __init__(self, max_batch: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
         self._host = torch.zeros(max_batch, dtype=torch.int64, pin_memory=cuda)
+        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # the last step's, on the device
         self._done = torch.cuda.Event(enable_timing=True) if cuda else None
         self._start = torch.cuda.Event(enable_timing=True) if cuda else None
         self.timed = False
@@ -36,12 +42,14 @@ class TokenFetch:
 
     def start(self, tokens: torch.Tensor | None) -> None:
         """Queue the step's tokens' copy to the host and the event that ends the step (no sync)."""
+        self._n = 0 if tokens is None else tokens.shape[0]
+        if self._n:
+            self.tokens[: self._n].copy_(tokens)
         if self._done is None:  # CPU: the tensor is already there
             self._tokens = [] if tokens is None else tokens.tolist()
             return
-        self._n = 0 if tokens is None else tokens.shape[0]
         if self._n:
-            self._host[: self._n].copy_(tokens, non_blocking=True)
+            self._host[: self._n].copy_(self.tokens[: self._n], non_blocking=True)
         self._done.record()
 
     def ready(self) -> bool:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from services.llm.fetch import TokenFetch
+from services.llm.request import Request
+from services.llm.scheduler import Chunk
 from services.llm.staging import Staging
 
 
@@ -23,13 +25,33 @@ class Lane:
     name: str  # shared, prefill or decode
     stream: torch.cuda.Stream | None  # None: the current stream (the CPU, or the shared lane)
     staging: Staging
-    fetch: TokenFetch
+    fetches: tuple[TokenFetch, TokenFetch]  # taken in turn: a step in flight and the one after it
     sms: int = 0  # the SMs its stream may use; 0: the whole device
     partition: object = None  # the green context its stream belongs to, kept alive with it
+    turn: int = 0
 
     def on(self):
         """The context its device work is queued in."""
         return nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
+
+    def take(self) -> TokenFetch:
+        """The fetch for the next step launched on this lane."""
+        self.turn ^= 1
+        return self.fetches[self.turn]
+
+
+@dataclass
+class Launched:
+    """A step launched on a lane whose tokens are not handed out yet."""
+
+    chunks: list[Chunk]
+    decodes: list[Request]
+    fetch: TokenFetch | None  # its tokens (None until its launch returns)
+    launched: float  # host clock when its launch began
+
+    @property
+    def held(self) -> list[Request]:
+        return [c.req for c in self.chunks] + self.decodes
 
 
 def default_prefill_sms(total: int) -> int:
@@ -69,7 +91,8 @@ def build_lanes(
     cuda = device.type == "cuda"
 
     def lane(name: str, fixed: int, extra: int) -> Lane:
-        return Lane(name, None, Staging(fixed + extra, fixed, device), TokenFetch(max_batch, cuda))
+        fetches = (TokenFetch(max_batch, device), TokenFetch(max_batch, device))
+        return Lane(name, None, Staging(fixed + extra, fixed, device), fetches)
 
     if not split:
         return {"shared": lane("shared", decode_words + packed_words, extra_words)}

@@ -190,11 +190,11 @@ class PackedStep:
         if d:
             first = rows - d
             at = first + np.arange(len(decodes))
-            h["ids"][at] = [r.output_ids[-1] for r in decodes]
+            h["ids"][at] = [0 if r.unseen else r.output_ids[-1] for r in decodes]  # unseen: fed on the device
             h["pos"][at] = [r.computed for r in decodes]
             h["slots"][at] = [pool_slot(r.blocks, r.computed, page) for r in decodes]
             last.extend(at.tolist())
-            ban.extend(len(r.output_ids) < r.sampling.min_tokens for r in decodes)
+            ban.extend(r.generated < r.sampling.min_tokens for r in decodes)
             self._decode_len = max(r.computed for r in decodes) + 1
         h["last"][: len(last)], h["last"][len(last) :] = last, 0
         h["ban"][: len(ban)], h["ban"][len(ban) :] = ban, 0
@@ -204,6 +204,10 @@ class PackedStep:
         return True
 
     # ---- device side ----
+    def decode_ids(self) -> torch.Tensor:
+        """The device inputs' token ids of the staged step's decode rows (valid after the upload)."""
+        return self._dev["ids"][self.rows - self.decode_rows : self.rows]
+
     def embed(self) -> torch.Tensor:
         """The staged rows' token embeddings, into the static input; returns it (rows [:bucket])."""
         x = self.x[: self.rows]

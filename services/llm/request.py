@@ -74,9 +74,10 @@ class Request:
     cached_tokens: int = 0
     generator: torch.Generator | None = None
     aborted: bool = False
-    # In a launched step whose tokens are not back yet (`--lanes split`): no other step may plan
-    # it, and preemption may not take its pages, which that step may still write.
-    in_flight: bool = False
+    # Launched steps that hold it and whose tokens are not back yet (0-2). While it is in one, its
+    # pages and leases are not released (a step may still read or write them); with `--lanes
+    # split` no other step may plan it and preemption may not take its pages (two streams).
+    in_flight: int = 0
     # Copy the features before the prefill reads them: they alias the vision's memory, whose
     # lease ends after the prefill, and this request may be preempted and recomputed later.
     copy_features: bool = False
@@ -111,6 +112,23 @@ class Request:
     @property
     def prefilling(self) -> bool:
         return self.computed < self.prefill_target
+
+    @property
+    def unseen(self) -> int:
+        """Tokens sampled by launched steps and not back yet: 1 from the launch of the step that
+        samples its next token until that step's tokens are processed (the shared lane plans the
+        next step meanwhile, feeding it this token on the device), else 0."""
+        return 0 if self.prefilling or not self.running else max(0, self.computed + 1 - self.seq_len)
+
+    @property
+    def generated(self) -> int:
+        """Tokens sampled so far, the unseen one included."""
+        return len(self.output_ids) + self.unseen
+
+    @property
+    def ended(self) -> bool:
+        """Its last output was emitted; what it holds goes once no launched step holds it."""
+        return self.finished_at > 0
 
     @property
     def features_end(self) -> int:

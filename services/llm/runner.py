@@ -10,6 +10,10 @@ step's inputs in one buffer and copies it once (services/llm/staging.py); the to
 back in one copy, the step's only host sync. With `--lanes split` a prefill step and a decode
 step run at once, each in its lane (services/llm/lane.py): its stream, buffer and token copy.
 
+A step may be launched before the tokens of the one before it are back (the shared lane plans a
+step ahead, services/llm/engine.py): a decode whose last token is still unseen is fed it on the
+device, from the tokens the last step on the lane left there, by one gather after the upload.
+
 Only the runner changes KV state: `Request.computed`, and the features it copies
 (`copy_features`).
 """
@@ -21,9 +25,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from services.llm.attention import FlexDecode, GatherDecode, Span, prefill_attention, prefill_in, prefill_out
-from services.llm.chunked import stage_chunks
+from services.llm.attention import FlexDecode, GatherDecode, prefill_in, prefill_out
+from services.llm.chunked import forward, stage_chunks, warm_up
 from services.llm.decode import DecodeStep, ban_eos
+from services.llm.fetch import TokenFetch
 from services.llm.kv_cache import KvConfig, PagedKvCache, pool_pages
 from services.llm.lane import Lane, build_lanes
 from services.llm.packed import PackedStep, fixed_words
@@ -77,11 +82,11 @@ class ModelRunner:
         # Prefill: the layer halves around its attention compiled once for any token count
         # (dynamic): inductor fuses the norms, RoPE, residuals and SiLU that eager would run
         # as some twenty passes over [N, H] per layer.
-        self._prefill_in, self._prefill_out = prefill_in, prefill_out
+        self.prefill_in, self.prefill_out = prefill_in, prefill_out
         if self.graphs:
-            self._prefill_in = torch.compile(prefill_in, dynamic=True)
-            self._prefill_out = torch.compile(prefill_out, dynamic=True)
-        own = self._warm_up(max_prefill_tokens) if cuda else 0
+            self.prefill_in = torch.compile(prefill_in, dynamic=True)
+            self.prefill_out = torch.compile(prefill_out, dynamic=True)
+        own = warm_up(self, max_prefill_tokens) if cuda else 0
         self.n_pages = pool_pages(spec, dtype, device, kv, max_batch, own)
         self.kv = PagedKvCache(spec, device, dtype, self.n_pages, kv.page_size)
         # Decode inputs at fixed addresses: tokens, positions, block tables, EOS-ban flags; then
@@ -106,6 +111,10 @@ class ModelRunner:
         self._tok, self._pos, tab, self._ban = (host for host, _ in views)
         self._tab = tab.reshape(b, p)
         tok, pos, tables, ban = (dev for _, dev in views)
+        self._tok_dev = tok
+        # Per lane, the last step launched there: its fetch (its tokens stay on the device) and
+        # the row of each request it samples, for the next step's decodes to be fed from.
+        self._last: dict[str, tuple[TokenFetch, dict[int, int]]] = {}
         linear = gemv.linear if skinny_gemv else F.linear
         if self.graphs:
             attn = FlexDecode(kv.page_size, t.heads, t.kv_heads, self.n_pages, max_batch, device, linear=linear)
@@ -125,8 +134,8 @@ class ModelRunner:
                 rows,
                 max_batch,
                 None if self.split else self.decode,
-                self._prefill_in,
-                self._prefill_out,
+                self.prefill_in,
+                self.prefill_out,
             )
         if self.graphs:  # each lane's graphs on its own stream: a graph keeps the SMs it was captured on
             self.decode.capture(kv.page_size, self.decode_lane.stream)
@@ -145,26 +154,32 @@ class ModelRunner:
         """Run the planned chunks and decodes and wait for them; return one token for each
         completing chunk, then each decode. Split, the two lanes run at once."""
         if not self.split:
-            return self.launch(chunks, decodes, self.prefill_lane).fetch.wait()
-        lanes = [self.launch(chunks, [], self.prefill_lane)] if chunks else []
+            return self.launch(chunks, decodes, self.prefill_lane).wait()
+        fetches = [self.launch(chunks, [], self.prefill_lane)] if chunks else []
         if decodes:
-            lanes.append(self.launch([], decodes, self.decode_lane))
-        return [token for lane in lanes for token in lane.fetch.wait()]
+            fetches.append(self.launch([], decodes, self.decode_lane))
+        return [token for fetch in fetches for token in fetch.wait()]
 
     @torch.inference_mode()
-    def launch(self, chunks: list[Chunk], decodes: list[Request], lane: Lane) -> Lane:
-        """Queue the planned chunks and decodes on `lane`, without a host sync; returns it:
-        `lane.fetch.wait()` gives one token for each completing chunk, then each decode.
+    def launch(self, chunks: list[Chunk], decodes: list[Request], lane: Lane) -> TokenFetch:
+        """Queue the planned chunks and decodes on `lane`, without a host sync; returns the step's
+        fetch: `wait()` gives one token for each completing chunk, then each decode.
 
-        Until then the lane's inputs must not be staged again, and its requests' pages must not
-        be given to another step (the engine holds them: `Request.in_flight`).
+        A decode whose last token is unseen must have been sampled by the step launched last on
+        this lane. Until the step ends its requests' pages must not be given to a step on another
+        stream (the engine holds them: `Request.in_flight`).
         """
         sampled = [c.req for c in chunks if c.completes] + decodes
         if len(sampled) > self.max_batch:  # the scheduler runs at most max_batch sequences
             raise ValueError(f"a step samples {len(sampled)} sequences; this runner holds {self.max_batch}")
         if decodes and lane is not self.decode_lane:
             raise ValueError(f"the {lane.name} lane runs no decodes")
-        staging = lane.staging
+        fed = [(i, r) for i, r in enumerate(decodes) if r.unseen]
+        if fed:
+            last, rows_of = self._last.get(lane.name, (None, {}))
+            if any(id(r) not in rows_of for _, r in fed):
+                raise RuntimeError("a decode's unseen token is not from the step launched last on its lane")
+        fetch, staging = lane.take(), lane.staging
         with lane.on():
             staging.begin()
             packed = bool(chunks) and self.packed is not None and self.packed.stage(chunks, decodes)
@@ -176,8 +191,14 @@ class ModelRunner:
             if not greedy:
                 temperature = staging.floats([r.sampling.temperature for r in sampled])
                 top_p = staging.floats([r.sampling.top_p for r in sampled])
-            lane.fetch.mark()
+            if fed:  # decode rows, and where their tokens are in the last step's
+                feed_rows = staging.ints([i for i, _ in fed])
+                feed_from = staging.ints([rows_of[id(r)] for _, r in fed])
+            fetch.mark()
             staging.upload()
+            if fed:
+                ids = self.packed.decode_ids() if riding else self._tok_dev
+                ids.index_copy_(0, feed_rows.long(), last.tokens.index_select(0, feed_from.long()).to(ids.dtype))
             logits, argmax = [], []  # the completing chunks', then the decodes'
             completing = len(sampled) - len(decodes)
             if packed:
@@ -205,8 +226,9 @@ class ModelRunner:
                 c.req.computed = c.end
             for r in decodes:
                 r.computed += 1
-            lane.fetch.start(tokens)
-        return lane
+            fetch.start(tokens)
+        self._last[lane.name] = (fetch, {id(r): i for i, r in enumerate(sampled)})
+        return fetch
 
     def _run_packed(self, chunks: list[Chunk]) -> None:
         """The staged packed step: embeddings and features into its input rows, then the forward."""
@@ -224,10 +246,10 @@ class ModelRunner:
         self._tab[:b] = 0  # padding rows and unused entries point at the null page
         self._ban[:b] = 0
         for i, r in enumerate(reqs):
-            self._tok[i] = r.output_ids[-1]
+            self._tok[i] = 0 if r.unseen else r.output_ids[-1]  # unseen: fed on the device (`launch`)
             self._pos[i] = r.computed
             self._tab[i, : len(r.blocks)] = r.blocks
-            self._ban[i] = len(r.output_ids) < r.sampling.min_tokens
+            self._ban[i] = r.generated < r.sampling.min_tokens
 
     # ---- prefill ----
     def _prefill(self, chunks: list[Chunk], ids, positions, slots, spans, last_rows, bans) -> torch.Tensor:
@@ -235,21 +257,12 @@ class ModelRunner:
         x = self.model.embed_tokens(ids)  # [N, H]
         for c, span in zip(chunks, spans, strict=True):
             self._scatter_features(x, c, span.row)
-        hidden = self._forward(x, positions.long(), slots.long(), spans)
+        hidden = forward(self, self.kv, x, positions.long(), slots.long(), spans)
         if last_rows is None:
             return hidden.new_zeros(0, self.model.lm_head.out_features, dtype=torch.float32)
         logits = self.model.logits(hidden[last_rows.long()])
         ban_eos(logits, self.eos, bans)
         return logits
-
-    def _forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, spans: list[Span]):
-        """Packed chunks x [N, H] at `positions` [N], stored at pool positions `slots` [N] -> hidden [N, H]."""
-        cos, sin = self.rope[0][positions], self.rope[1][positions]
-        for i, layer in enumerate(self.model.layers):
-            k_pool, v_pool = self.kv.k[i], self.kv.v[i]
-            q, k, v = self._prefill_in(layer, x, cos, sin, k_pool, v_pool, slots)
-            x = self._prefill_out(layer, x, prefill_attention(q, k, v, k_pool, v_pool, spans))
-        return x
 
     def _scatter_features(self, x: torch.Tensor, chunk: Chunk, row: int) -> None:
         """Write the image features that fall inside the chunk over their placeholder embeddings."""
@@ -267,32 +280,10 @@ class ModelRunner:
                     self.device, self.dtype, non_blocking=True
                 )
 
-    def _warm_up(self, tokens: int) -> int:
-        """Run a prefill of `tokens` positions on a small pool; return this process's peak memory.
-
-        What the weights and the largest prefill take is what the KV pool must leave free.
-        """
-        torch.cuda.reset_peak_memory_stats(self.device)
-        per_seq = min(tokens, self.max_context)
-        pages = -(-per_seq // self.page_size) + 1
-        self.kv = PagedKvCache(self.spec, self.device, self.dtype, pages, self.page_size)
-        spans, row = [], 0
-        while row < tokens:
-            n = min(per_seq, tokens - row)
-            spans.append(Span(row, n, 0, None))
-            row += n
-        positions = torch.cat([torch.arange(s.length, device=self.device) for s in spans])
-        with torch.inference_mode():
-            x = self.model.embed_tokens(torch.zeros(tokens, dtype=torch.int64, device=self.device))
-            self.model.logits(self._forward(x, positions, positions + self.page_size, spans)[-1:])
-            # A one-token prefill too: compiled code specialises a size of 1, and that compile
-            # belongs before `ready`, not in the middle of serving.
-            self._forward(x[:1], positions[:1], positions[:1] + self.page_size, [Span(0, 1, 0, None)])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_reserved(self.device)
-        del self.kv
-        torch.cuda.empty_cache()
-        return peak
+    def synchronize(self) -> None:
+        """Wait for everything queued on the device (after a launch that failed half-way)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ---- request state ----
     def new_generator(self, seed: int | None) -> torch.Generator:

@@ -16,6 +16,13 @@ Each step it plans a `Plan`, the contract with the model runner:
   the two apart (`schedule(decodes=False)`, `decodable`), and a request in flight in one lane's
   step is left out of the other's plans and never preempted.
 
+`follow` (the shared lane): the engine plans and launches the next step while the last one
+runs, so a request in flight is planned as well, as what comes after that step: its next chunk,
+or a decode fed the token that step samples. One whose unseen token is its last (`max_new`)
+is left out. It may be preempted: both steps run in one stream, so the step in flight is done
+with its pages before the step that gives them to another runs; a request preempted by a plan is
+not admitted again by the same plan (that step's tokens, when processed, must find it waiting).
+
 A request is admitted when a batch place is free (at most `max_batch` run at once) and the
 pool has pages for its whole sequence (prompt + max_new); it holds them until it finishes.
 So a running request never waits for memory, and a request waits in line rather than
@@ -87,6 +94,7 @@ class Scheduler:
         aging_s: float = AGING_S,
         clock: Callable[[], float] = time.perf_counter,
         prefix_cache: bool = True,
+        follow: bool = False,
     ) -> None:
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
@@ -94,7 +102,7 @@ class Scheduler:
         self._waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order
         self.aging_s, self.clock = aging_s, clock
-        self.prefix_cache = prefix_cache
+        self.prefix_cache, self.follow = prefix_cache, follow
         # Waiting requests per class, kept as the queue changes (read by the engine's gauges).
         self.waiting_by_qos: Counter[QosLevel] = Counter()
 
@@ -117,7 +125,7 @@ class Scheduler:
         budget = self.max_prefill_tokens
         decoding = []
         for req in self.running:  # prompts already part-way through their prefill go on first
-            if req.in_flight:
+            if not self._plannable(req):
                 continue
             if not req.prefilling:
                 decoding.append(req)
@@ -137,7 +145,15 @@ class Scheduler:
 
     def decodable(self) -> list[Request]:
         """The decode lane's next step: every running request past its prefill and not in flight."""
-        return [r for r in self.running if not r.prefilling and not r.in_flight]
+        return [r for r in self.running if not r.prefilling and self._plannable(r)]
+
+    def _plannable(self, req: Request) -> bool:
+        """Whether a running request may be in the next step (see `follow` in the module docstring)."""
+        if req.ended or req.aborted:  # its answer is out; its pages wait for its step in flight
+            return False
+        if req.in_flight and not self.follow:
+            return False
+        return req.generated < req.max_new  # else the step in flight samples its last token
 
     def _admit(self, plan: Plan, budget: int) -> int:
         now = self.clock()
@@ -148,6 +164,8 @@ class Scheduler:
             if req.aborted:
                 self._pop()
                 continue
+            if any(req is v for v in plan.preempted):  # the rest of the queue was admitted before it
+                return budget
             if plan.prefill and req.seq_len > budget:  # whole or not yet (a cached prefix would only shrink it)
                 return budget
             shared = self._cached_prefix(req)
@@ -216,7 +234,10 @@ class Scheduler:
         candidates = [
             r
             for r in self.running
-            if r.qos is QosLevel.BEST_EFFORT and self._class(r, now) > rank and not r.aborted and not r.in_flight
+            if r.qos is QosLevel.BEST_EFFORT
+            and self._class(r, now) > rank
+            and not (r.aborted or r.ended)
+            and (self.follow or not r.in_flight)
         ]
         return min(candidates, key=lambda r: (len(r.output_ids), -r.arrival), default=None)
 

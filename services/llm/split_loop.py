@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.llm.lane import Lane
-from services.llm.request import Request
-from services.llm.scheduler import Chunk, Plan
+from services.llm.lane import Lane, Launched
+from services.llm.scheduler import Plan
 
 if TYPE_CHECKING:
     from services.llm.engine import NativeEngine
@@ -36,22 +34,10 @@ log = logging.getLogger(__name__)
 POLL_S = 0.0002  # between looks at the lanes' events: well under a step (5-25 ms on the H200)
 
 
-@dataclass
-class InFlight:
-    lane: Lane
-    chunks: list[Chunk]
-    decodes: list[Request]
-    launched: float  # host clock when its launch began
-
-    @property
-    def held(self) -> list[Request]:
-        return [c.req for c in self.chunks] + self.decodes
-
-
 def run_split(engine: NativeEngine) -> None:
     """Serve until the engine stops; then wait for the steps in flight, so their pages are free to go."""
     sched, runner = engine.scheduler, engine.runner
-    flying: dict[str, InFlight] = {}
+    flying: dict[str, Launched] = {}
     while not engine._stop:
         engine._wake.clear()
         engine._drain_inbox()
@@ -70,12 +56,11 @@ def run_split(engine: NativeEngine) -> None:
             if engine._trace:
                 engine._trace.idle()
     for step in list(flying.values()):
-        step.lane.fetch.wait()
-        for req in step.held:
-            req.in_flight = False
+        step.fetch.wait()
+        engine._land(step.held)
 
 
-def launch(engine: NativeEngine, flying: dict[str, InFlight], lane: Lane, plan: Plan) -> bool:
+def launch(engine: NativeEngine, flying: dict[str, Launched], lane: Lane, plan: Plan) -> bool:
     """Launch the plan on the lane; False when there was nothing to plan."""
     if plan.empty and not plan.preempted:
         return False
@@ -83,29 +68,30 @@ def launch(engine: NativeEngine, flying: dict[str, InFlight], lane: Lane, plan: 
     if begun is None:
         return True
     chunks, decodes, start = begun
-    step = InFlight(lane, chunks, decodes, start)
+    step = Launched(chunks, decodes, None, start)
     for req in step.held:
-        req.in_flight = True
+        req.in_flight += 1
     try:
-        engine.runner.launch(chunks, decodes, lane)
+        step.fetch = engine.runner.launch(chunks, decodes, lane)
     except Exception as err:
         if lane.stream is not None:  # what it queued ends before its pages can go to others
             lane.stream.synchronize()
+        engine._land(step.held)
         engine._fail(step.held, err)
         return True
     flying[lane.name] = step
     return True
 
 
-def wait_for_one(engine: NativeEngine, flying: dict[str, InFlight]) -> None:
+def wait_for_one(engine: NativeEngine, flying: dict[str, Launched]) -> None:
     """Complete the first lane's step to end; return early when work arrives and a lane is idle."""
     lanes = len(engine.runner.lanes)
     while True:
         for name, step in list(flying.items()):
-            if step.lane.fetch.ready():
+            if step.fetch.ready():
                 del flying[name]
                 try:
-                    engine._complete(step.chunks, step.decodes, step.lane, step.launched)
+                    engine._complete(step, name)
                 except Exception as err:
                     engine._fail(step.held, err)
                 return

@@ -6,8 +6,11 @@ views; floats share the words through a float32 view), then `upload` copies the 
 without blocking the host. The front `fixed` words are the decode step's inputs: their
 device addresses never change, which is what a captured CUDA graph needs.
 
-The host side is rewritten only after the previous step's tokens came back (a sync that
-orders after that step's upload), so a copy in flight never reads a half-written buffer.
+The next step is staged while the last one runs (the shared lane plans a step ahead), so
+`begin` first waits for the last upload's copy to have read the host side (an event, recorded
+after it: it is done by the time the step before the last ends), and a copy in flight never
+reads a half-written buffer. The device side is rewritten by the next upload only after the
+steps queued before it on the stream have read it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ class Staging:
         self.dev = torch.zeros(capacity, dtype=torch.int32, device=device) if on_gpu else self.host
         self._np = self.host.numpy()
         self.capacity, self.fixed, self._cursor = capacity, fixed, fixed
+        self._read = torch.cuda.Event() if on_gpu else None  # the last upload has read the host side
+        self._uploaded = False
 
     def fixed_view(self, start: int, n: int) -> tuple[np.ndarray, torch.Tensor]:
         """Words [start, start + n) of the fixed front: (host view to write, device view to read)."""
@@ -51,9 +56,14 @@ class Staging:
 
     def begin(self) -> None:
         """Start a step's staging (also after a step that failed half-way through its own)."""
+        if self._uploaded:
+            self._read.synchronize()
+            self._uploaded = False
         self._cursor = self.fixed
 
     def upload(self) -> None:
         """Copy what this step staged to the device, asynchronously."""
         if self.dev is not self.host:
             self.dev[: self._cursor].copy_(self.host[: self._cursor], non_blocking=True)
+            self._read.record()
+            self._uploaded = True

@@ -10,6 +10,9 @@ what the step carried (`prompts`, `prompt_rows`, `decodes`). On CUDA `run_ms` is
 `device_ms`, the device's span from that work to the step's end; and `wake_ms`, the rest: the
 GPU taking the step's first work late (another process's turn on a time-sliced GPU) and the
 engine thread running again after the sync (a wait for the GIL).
+The engine launches a step before the one ahead of it is handed out (services/llm/engine.py), so
+a step's span starts at its launch or at the end of the last step's handling, whichever is later:
+the spans do not overlap, and a step launched ahead has no gap and no staging of its own.
 `python -m bench.step_trace PATH` sums it up.
 
 Lines are buffered and written in blocks, so a step pays a list append; the file is flushed
@@ -47,10 +50,11 @@ class StepTrace:
         clock at its first device work) and `device_ms` where the device timed it; the lane it ran
         in (services/llm/lane.py: with two, their steps overlap, and `gap_ms` is since the last
         step of either lane ended)."""
+        start = max(launched, self._last_end)
         row = {
-            "t": round(launched, 6),
-            "gap_ms": round((launched - self._last_end) * 1e3, 3),
-            "run_ms": round((ran - launched) * 1e3, 3),
+            "t": round(start, 6),
+            "gap_ms": round((start - self._last_end) * 1e3, 3),
+            "run_ms": round((ran - start) * 1e3, 3),
             "post_ms": round((end - ran) * 1e3, 3),
             "prompts": prompts,
             "prompt_rows": rows,
@@ -58,9 +62,9 @@ class StepTrace:
             "lane": lane,
         }
         if device_ms is not None:
-            row["stage_ms"] = round((marked - launched) * 1e3, 3)
+            row["stage_ms"] = round(max(0.0, marked - start) * 1e3, 3)
             row["device_ms"] = round(device_ms, 3)
-            row["wake_ms"] = round((ran - marked) * 1e3 - device_ms, 3)
+            row["wake_ms"] = round(max(0.0, (ran - max(marked, start)) * 1e3 - device_ms), 3)
         self._last_end = end
         self._rows.append(json.dumps(row))
         if len(self._rows) >= FLUSH_EVERY:

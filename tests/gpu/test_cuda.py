@@ -112,7 +112,7 @@ def test_token_fetch_times_the_device_span_and_returns_the_tokens():
 
     from services.llm.fetch import TokenFetch
 
-    fetch = TokenFetch(4, cuda=True)
+    fetch = TokenFetch(4, torch.device("cuda"))
     fetch.timed = True
     a = torch.randn(4096, 4096, device="cuda")
     fetch.mark()
@@ -122,7 +122,7 @@ def test_token_fetch_times_the_device_span_and_returns_the_tokens():
     got = fetch.fetch(tokens)
     waited = (time.perf_counter() - fetch.marked_at) * 1e3
     device = fetch.device_ms()
-    assert got == tokens.tolist()
+    assert got == tokens.tolist() and fetch.tokens[:3].tolist() == got  # kept on the device for the next step
     assert 0 < device <= waited + 0.5  # the span ended before the host returned from the sync
     assert fetch.device_ms() is None  # read once per step
-    assert TokenFetch(2, cuda=True).fetch(None) == []  # no token: still ends with its work
+    assert TokenFetch(2, torch.device("cuda")).fetch(None) == []  # no token: still ends with its work

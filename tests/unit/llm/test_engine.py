@@ -91,9 +91,9 @@ def test_abort_frees_the_slot(parts):
 
 
 def test_split_lanes_hold_a_cancelled_request_until_its_step_ends(tiny_model):
-    """--lanes split: a cancel that arrives while the request's decode step is in flight ends it
-    only once that step is back, so its pages are never handed on while the step may write them;
-    the prefill lane keeps serving meanwhile."""
+    """--lanes split: a cancel that arrives while the request's decode step is in flight is
+    answered at once, but its pages go only once that step is back, so they are never handed on
+    while the step may write them; the prefill lane keeps serving meanwhile."""
     import threading
 
     from services.llm.config import NativeEngineConfig
@@ -103,8 +103,8 @@ def test_split_lanes_hold_a_cancelled_request_until_its_step_ends(tiny_model):
         engine = parts.engine
         gate = threading.Event()
         gate.set()
-        fetch = engine.runner.decode_lane.fetch
-        fetch.ready = gate.is_set  # the decode lane's steps end when the test says
+        for fetch in engine.runner.decode_lane.fetches:
+            fetch.ready = gate.is_set  # the decode lane's steps end when the test says
         a, b = (parts.request(i, PROMPTS[i], max_tokens=60, min_tokens=60) for i in range(2))
         engine.add(a[0])
         engine.add(b[0])
@@ -121,14 +121,62 @@ def test_split_lanes_hold_a_cancelled_request_until_its_step_ends(tiny_model):
         late = parts.request(2, PROMPTS[2], max_tokens=1)  # the prefill lane is not held up
         parts.run(late)
         assert late[1]["finish"] is Finish.LENGTH
-        assert not a[1]["done"].is_set() and a[0].running  # its step is in flight: its pages stay
+        assert a[1]["done"].wait(30) and a[1]["finish"] is Finish.ABORT  # answered...
+        assert a[0].running and a[0].in_flight  # ...but its step is in flight: its pages stay
         assert engine.scheduler.blocks.free == pages
         gate.set()
-        assert a[1]["done"].wait(30) and a[1]["finish"] is Finish.ABORT
+        while a[0].running:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
         assert b[1]["done"].wait(30) and b[1]["finish"] is Finish.LENGTH and len(b[1]["ids"]) == 60
         assert_idle(engine)
     finally:
         parts.engine.stop()
+
+
+def test_the_shared_lane_launches_each_step_before_the_one_ahead_is_handed_out(tiny_model):
+    """services/llm/shared_loop.py: a step is launched while the one ahead of it is in flight, its
+    decodes fed that step's tokens on the device; the tokens are those of the split lanes, which
+    launch no step ahead, and a request a stop string ends in flight gives its pages back after."""
+    from services.llm.config import NativeEngineConfig
+
+    split = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(lanes="split"))
+    try:
+        pairs = [split.request(i, PROMPTS[i], max_tokens=7, min_tokens=7) for i in range(3)]
+        split.run(*pairs)
+        alone = [box for _, box in pairs]
+    finally:
+        split.engine.stop()
+    p = Parts(tiny_model, max_batch=3)
+    try:
+        events, launch, complete = [], p.engine.runner.launch, p.engine._complete
+
+        def traced_launch(chunks, decodes, lane):
+            events.append(("launch", sum(1 for r in decodes if r.unseen)))
+            return launch(chunks, decodes, lane)
+
+        def traced_complete(step, lane="shared"):
+            events.append(("complete", 0))
+            complete(step, lane)
+
+        p.engine.runner.launch, p.engine._complete = traced_launch, traced_complete
+        stop = alone[1]["text"][1:3]  # ends request 1 mid-stream, while its next step is in flight
+        pairs = [p.request(i, PROMPTS[i], max_tokens=7, min_tokens=7, stop=[stop] if i == 1 else []) for i in range(3)]
+        p.run(*pairs)
+        kinds = [kind for kind, _ in events]
+        assert kinds.count("launch") == kinds.count("complete") >= 7  # a prefill step, then 6 decode steps
+        flying, ahead = 0, 0  # steps launched while another was in flight
+        for kind in kinds:
+            ahead += kind == "launch" and flying > 0
+            flying += 1 if kind == "launch" else -1
+        assert ahead >= 5, events  # most steps: launched before the one ahead was handed out
+        assert sum(fed for _, fed in events) >= 10  # decodes fed on the device
+        assert [pairs[i][1]["ids"] for i in (0, 2)] == [alone[i]["ids"] for i in (0, 2)]
+        assert pairs[1][1]["finish"] is Finish.STOP
+        assert pairs[1][1]["text"] == alone[1]["text"][: alone[1]["text"].find(stop)]
+        assert_idle(p.engine)
+    finally:
+        p.engine.stop()
 
 
 def test_random_preset_runs_without_weights(tmp_path):

@@ -41,10 +41,15 @@ class Seq:
     copy_features: bool = False
     features_end: int = 0
     sampling: Sampling = GREEDY
+    unseen: int = 0  # every token is back (the engine's step ahead is not in these tests)
 
     @property
     def prefill_target(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def generated(self) -> int:
+        return len(self.output_ids)
 
 
 def runner(spec, packed: bool, budget: int = 400) -> ModelRunner:

@@ -17,6 +17,7 @@ class FakeRequest:
     """What the scheduler reads of a request, with Request's own derived properties."""
 
     seq_len, running, prefilling = Request.seq_len, Request.running, Request.prefilling
+    unseen, generated, ended = Request.unseen, Request.generated, Request.ended
 
     def __init__(
         self, rid: str, qos: QosLevel, arrival: float, prompt: int = 10, max_new: int = 6, keys: list | None = None
@@ -26,7 +27,7 @@ class FakeRequest:
         self.page_keys = keys or []  # the prefix cache's page keys (none: nothing is shared)
         self.registered = self.cached_tokens = 0
         self.aborted, self.computed, self.prefill_target = False, 0, 0
-        self.in_flight = False
+        self.in_flight, self.finished_at = 0, 0.0
         self.blocks: list[int] = []
         self.output_ids: list[int] = []
         self.preempted_at: list[float] = []
@@ -104,7 +105,7 @@ def full_of(sched: Scheduler, clock: list[float], *specs: tuple[str, QosLevel, i
     """Admit requests until the slots are full; `specs` = (id, class, tokens generated so far)."""
     reqs = {}
     for rid, qos, n in specs:
-        reqs[rid] = FakeRequest(rid, qos, clock[0])
+        reqs[rid] = FakeRequest(rid, qos, clock[0], max_new=n + 6)
         reqs[rid].output_ids = [0] * n
         sched.add(reqs[rid])
     plan = sched.schedule()
