@@ -70,6 +70,10 @@ class NativeEngine:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self.eos = set(runner.spec.text.eos_token_ids)
+        # Launch each step before handing out the one ahead (services/llm/shared_loop.py) where a
+        # launch only queues work: on CUDA. On the CPU a launch computes the step, so running ahead
+        # would hold every token back by one step (tests turn it on there to check its logic).
+        self.step_ahead = runner.device.type == "cuda"
         self._trace = StepTrace(step_trace) if step_trace else None
         if self._trace:
             for lane in runner.lanes.values():
@@ -196,8 +200,10 @@ class NativeEngine:
             if c.req.ended or not c.req.running:
                 continue
             self.scheduler.computed(c.req)  # its full prompt pages, for the prompts after it
-            if c.req.leases and c.req.computed >= c.req.features_end and self._leases_hold(c.req, 0):
-                c.req.drop_leases()  # read, and not reused while it was read
+            # Read, and not reused while it was read; no later chunk reads them (`computed` may be
+            # past them already: the next step, launched, may still be reading them).
+            if c.req.leases and c.end >= c.req.features_end and self._leases_hold(c.req, 0):
+                c.req.drop_leases()
         done = time.perf_counter()
         completed = [c.req for c in chunks if c.completes]  # the runner's tokens: these, then the decodes
         for req in completed:

@@ -164,7 +164,12 @@ def test_bf16_tokens_are_transformers_argmax_on_the_trained_demo_model():
 def test_bf16_tokens_on_random_weights_agree_with_transformers_as_its_own_bf16_does_with_fp32(bf16_parts, cut_preset):
     """On random weights the top logits are near-ties, and bf16 rounding alone flips some argmaxes:
     transformers in bf16 against transformers in fp32, on the same tokens, measures how many. Our
-    bf16 tokens should agree with transformers' bf16 at least about as often."""
+    bf16 tokens should agree with the fp32 truth at least about as often as transformers' bf16 does.
+
+    Not with transformers' bf16 itself: two bf16 forwards that round differently (other GEMM
+    tilings, other step layouts) each flip near-ties of their own, so they agree with each other
+    less than either does with fp32. On the H200 (sixteenth session) ours agreed with fp32 on
+    96.9% of 128 tokens, transformers' bf16 on 97.7%, and the two bf16s with each other on 94.5%."""
     got = ours(bf16_parts, CASES)
     forced = {}
     for dtype in (torch.bfloat16, torch.float32):
@@ -181,7 +186,7 @@ def test_bf16_tokens_on_random_weights_agree_with_transformers_as_its_own_bf16_d
         f"{ours_vs_hf16:.1%}; transformers-bf16 = transformers-fp32 argmax {hf16_vs_hf32:.1%}; "
         f"ours = transformers-fp32 {agreement(got, forced[torch.float32]):.1%}"
     )
-    assert ours_vs_hf16 >= hf16_vs_hf32 - 0.03
+    assert agreement(got, forced[torch.float32]) >= hf16_vs_hf32 - 0.03
 
 
 def test_cancel_and_preemption_give_every_page_back(bf16_parts):

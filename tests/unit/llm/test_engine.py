@@ -22,13 +22,16 @@ def assert_idle(engine) -> None:
     assert pages.free == pages.capacity
 
 
-@pytest.fixture(scope="module", params=["shared", "split"])
+@pytest.fixture(scope="module", params=["shared", "ahead", "split"])
 def parts(tiny_model, request):
     """Both lane layouts (services/llm/lane.py): split, the two lanes take turns on the CPU, through
-    the same loop as on CUDA (services/llm/split_loop.py)."""
+    the same loop as on CUDA (services/llm/split_loop.py); shared also with each step launched
+    before the one ahead is handed out, as on CUDA (services/llm/shared_loop.py)."""
     from services.llm.config import NativeEngineConfig
 
-    p = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(lanes=request.param))
+    lanes = "split" if request.param == "split" else "shared"
+    p = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(lanes=lanes))
+    p.engine.step_ahead = request.param == "ahead"
     yield p
     p.engine.stop()
 
@@ -149,6 +152,7 @@ def test_the_shared_lane_launches_each_step_before_the_one_ahead_is_handed_out(t
         split.engine.stop()
     p = Parts(tiny_model, max_batch=3)
     try:
+        p.engine.step_ahead = True  # CUDA's loop, on the CPU (where it is off: a launch computes the step)
         events, launch, complete = [], p.engine.runner.launch, p.engine._complete
 
         def traced_launch(chunks, decodes, lane):
@@ -246,6 +250,40 @@ def test_a_prefix_hit_that_reads_no_features_still_releases_them_once(parts):
     assert hit[0].cached_tokens > hit[0].features_end  # the features were not needed...
     assert hit[1]["ids"] == first[1]["ids"] and leases.released == 1
     assert hit[0].image_features[0] is not features and torch.equal(hit[0].image_features[0], features)  # ...copied
+
+
+def test_leases_of_features_a_launched_chunk_reads_go_only_after_its_step(tiny_model):
+    """A prompt in chunks of 8 whose image spans several: the step ahead reads the next chunk's
+    features while the step before it is handed out, so the leases go only once the step of the
+    last chunk that reads them has ended, not when `computed` passes them."""
+    from services.llm.config import NativeEngineConfig
+
+    p = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(max_prefill_tokens=8))
+    try:
+        p.engine.step_ahead = True  # CUDA's loop, on the CPU
+        handed_out: list[int] = []  # the ends of the request's chunks whose step is being handed out
+        pair = p.request(70, PROMPTS[1], max_tokens=3)
+        req = pair[0]
+        complete = p.engine._complete
+
+        def traced_complete(step, lane="shared"):
+            handed_out.extend(c.end for c in step.chunks if c.req is req)
+            complete(step, lane)
+
+        class Watched(Leases):
+            def release(self) -> None:
+                super().release()
+                self.read_by_then = max(handed_out, default=0)
+
+        p.engine._complete = traced_complete
+        leases = Watched()
+        with_leases(pair, leases)
+        assert req.features_end > 16  # the image spans more than two chunks
+        p.run(pair)
+        assert pair[1]["finish"] is Finish.LENGTH and leases.released == 1
+        assert leases.read_by_then >= req.features_end  # not while a launched chunk still read them
+    finally:
+        p.engine.stop()
 
 
 @pytest.mark.parametrize("fail_on", [1, 2], ids=["lost-while-waiting", "lost-while-read"])
