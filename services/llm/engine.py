@@ -29,7 +29,7 @@ from services.common.metrics import BATCH_SIZE, KV_PAGES, KV_SLOTS, PREEMPTIONS,
 from services.common.qos import QosLevel
 from services.llm.block_manager import BlockManager
 from services.llm.interface import EngineStats, Job, Leases
-from services.llm.lane import Launched
+from services.llm.lane import Lane, Launched
 from services.llm.request import Finish, Output, Request
 from services.llm.runner import ModelRunner
 from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS, Plan, Scheduler
@@ -165,6 +165,27 @@ class NativeEngine:
             req.in_flight -= 1
             if req.ended:
                 self._release(req)
+
+    def _launch(self, plan: Plan, lane: Lane) -> Launched | None:
+        """Launch a plan on a lane; None when nothing of it was left to run, or it failed (its
+        requests with it, once what it queued has ended: the rest are served)."""
+        begun = self._begin(plan)
+        if begun is None:
+            return None
+        step = Launched(*begun[:2], None, begun[2])
+        for req in step.held:
+            req.in_flight += 1
+        try:
+            step.fetch = self.runner.launch(step.chunks, step.decodes, lane)
+        except Exception as err:
+            if lane.stream is not None:  # what it queued ends before its pages can go to others
+                lane.stream.synchronize()
+            else:
+                self.runner.synchronize()
+            self._land(step.held)
+            self._fail(step.held, err)
+            return None
+        return step
 
     def _begin(self, plan: Plan) -> tuple[list, list[Request], float] | None:
         """A plan's bookkeeping before its launch: what it runs (chunks whose leases hold, decodes

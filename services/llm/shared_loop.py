@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from services.llm.lane import Launched
-from services.llm.scheduler import Plan
 
 if TYPE_CHECKING:
     from services.llm.engine import NativeEngine
@@ -38,7 +37,7 @@ def run_shared(engine: NativeEngine) -> None:
     while not engine._stop:
         engine._drain_inbox()
         plan = engine.scheduler.schedule()
-        step = None if plan.empty else launch(engine, plan)
+        step = None if plan.empty else engine._launch(plan, engine.runner.prefill_lane)
         if step is not None and not engine.step_ahead:  # the CPU: the launch computed it already
             settle(engine, step)
             step = None
@@ -52,25 +51,6 @@ def run_shared(engine: NativeEngine) -> None:
         ahead = step
     if ahead is not None:
         settle(engine, ahead)
-
-
-def launch(engine: NativeEngine, plan: Plan) -> Launched | None:
-    """Launch a plan; None when nothing of it was left to run, or it failed (its requests with it)."""
-    begun = engine._begin(plan)
-    if begun is None:
-        return None
-    chunks, decodes, start = begun
-    step = Launched(chunks, decodes, None, start)
-    for req in step.held:
-        req.in_flight += 1
-    try:
-        step.fetch = engine.runner.launch(chunks, decodes, engine.runner.prefill_lane)
-    except Exception as err:  # its requests fail once what it queued has ended; the rest are served
-        engine.runner.synchronize()
-        engine._land(step.held)
-        engine._fail(step.held, err)
-        return None
-    return step
 
 
 def settle(engine: NativeEngine, step: Launched) -> None:

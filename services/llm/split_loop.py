@@ -64,22 +64,9 @@ def launch(engine: NativeEngine, flying: dict[str, Launched], lane: Lane, plan: 
     """Launch the plan on the lane; False when there was nothing to plan."""
     if plan.empty and not plan.preempted:
         return False
-    begun = engine._begin(plan)
-    if begun is None:
-        return True
-    chunks, decodes, start = begun
-    step = Launched(chunks, decodes, None, start)
-    for req in step.held:
-        req.in_flight += 1
-    try:
-        step.fetch = engine.runner.launch(chunks, decodes, lane)
-    except Exception as err:
-        if lane.stream is not None:  # what it queued ends before its pages can go to others
-            lane.stream.synchronize()
-        engine._land(step.held)
-        engine._fail(step.held, err)
-        return True
-    flying[lane.name] = step
+    step = engine._launch(plan, lane)
+    if step is not None:
+        flying[lane.name] = step
     return True
 
 
