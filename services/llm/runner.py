@@ -10,9 +10,10 @@ step's inputs in one buffer and copies it once (services/llm/staging.py); the to
 back in one copy, the step's only host sync. With `--lanes split` a prefill step and a decode
 step run at once, each in its lane (services/llm/lane.py): its stream, buffer and token copy.
 
-A step may be launched before the tokens of the one before it are back (the shared lane plans a
-step ahead, services/llm/engine.py): a decode whose last token is still unseen is fed it on the
-device, from the tokens the last step on the lane left there, by one gather after the upload.
+A step may be launched before the tokens of the one before it are back (on CUDA the shared lane
+runs a step ahead, services/llm/shared_loop.py): a decode whose last token is still unseen is fed
+it on the device, from the tokens the last step on the lane left there, by one gather after the
+upload.
 
 Only the runner changes KV state: `Request.computed`, and the features it copies
 (`copy_features`).

@@ -399,3 +399,78 @@ def test_pages_are_never_shared_while_written_and_all_come_back(ops):
         sched.finish(r)
     check_pool(sched)
     assert sched.blocks.free == sched.blocks.capacity
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["add", "step", "step", "end"]), st.sampled_from(list(QosLevel)), st.integers(0, 9)),
+        max_size=60,
+    )
+)
+def test_a_step_ahead_plans_each_token_once_and_gives_every_page_back(ops):
+    """`follow` (the shared lane on CUDA): each step is planned and launched while the one before it
+    is in flight. A planned decode feeds a token that is back or the one the step in flight
+    samples, at the position after the last; nothing is planned past its last token or once it
+    ended; a request preempted by a plan is not in it; an ended request keeps its pages until no
+    launched step holds it; and every page comes back."""
+    clock = [0.0]
+    sched = scheduler(max_batch=3, pages=14, page_size=4, budget=6, clock=lambda: clock[0], follow=True)
+    flying: tuple[list, list] | None = None  # the step in flight: the requests it samples, and all it holds
+
+    def land(step) -> None:  # the engine's _complete: tokens out, then what ended goes
+        sampled, held = step
+        for r in held:
+            r.in_flight -= 1
+        for r in sampled:
+            if r.running and not r.ended:
+                assert len(r.output_ids) < r.max_new
+                r.output_ids.append(1)
+                if len(r.output_ids) == r.max_new:
+                    r.finished_at = clock[0]
+        for r in held:
+            if r.ended and not r.in_flight:
+                sched.finish(r)
+
+    for n, (op, qos, x) in enumerate(ops):
+        clock[0] += 0.5
+        if op == "add":
+            sched.add(FakeRequest(f"r{n}", qos, clock[0], prompt=3 + x, max_new=1 + x % 4))
+        elif op == "end" and sched.running:  # a stop string, or a cancel: answered now
+            r = sched.running[x % len(sched.running)]
+            if not r.ended:
+                r.finished_at = clock[0]
+                if not r.in_flight:
+                    sched.finish(r)
+        else:
+            plan = sched.schedule()
+            gone = {id(r) for r in plan.preempted}
+            assert not any(id(c.req) in gone for c in plan.prefill) and not any(id(r) in gone for r in plan.decode)
+            ahead = {id(r) for r in flying[0]} if flying else set()
+            for r in plan.decode:
+                assert not r.ended and r.generated < r.max_new
+                assert r.unseen == 0 or id(r) in ahead  # fed by the step in flight
+                assert r.computed == r.seq_len - 1 + r.unseen  # the position of the token it feeds
+            held = [c.req for c in plan.prefill] + plan.decode
+            sampled = [c.req for c in plan.prefill if c.completes] + plan.decode
+            run_plan_launched(plan)
+            for r in held:
+                r.in_flight += 1
+            if flying:
+                land(flying)
+            flying = (sampled, held)
+        check_pool(sched)
+    if flying:
+        land(flying)
+    for r in list(sched.running):
+        sched.finish(r)
+    check_pool(sched)
+    assert sched.blocks.free == sched.blocks.capacity
+
+
+def run_plan_launched(plan) -> None:
+    """What the runner does at a launch: positions computed; the tokens come when the step lands."""
+    for c in plan.prefill:
+        c.req.computed = c.end
+    for r in plan.decode:
+        r.computed += 1
