@@ -3,15 +3,17 @@
 
 The engine's Scheduler and BlockManager (services/llm) run as they serve; what the GPU does is
 a model of each step's time, fitted to the H200's measurements of the 7B-shaped preset in the
-mesh under MPS (docs/PERF.md, the eighth to tenth sessions):
+mesh under MPS, with the engine a step ahead (docs/PERF.md, the sixteenth session's step traces
+at 25-45 req/s; with these defaults and `--overheads docs/bench/h200-ahead/call2-w1w2-results.json.gz`
+the model gave W1's P99 317 / 367 / 426 ms at 35 / 40 / 45 req/s, where the mesh measured
+317-320 / 336 / 382):
 - a decode-only step of batch b: the step of the smallest bucket >= b as the mesh ran it
-  (`--decode-ms`: the ninth session's step trace at 35 req/s, staging and wake-up included;
-  bench.decode_step's device times are 0.6-1.5 ms lower: the ViT's kernels share the GPU),
-  plus `--decode-extra-ms`;
-- a step with prompts: the packed graph's row bucket (bench.decode_step's packed prefills:
-  14.5 ms for the 640-row bucket, 40.0 for 2,048; linear between, never under one weight read),
-  plus `--riding-ms` per decode riding in it (their attention), plus `--prompt-extra-ms` (16.0 ms of
-  device time and 0.8-0.95 ms of staging for one prompt in the mesh, against 14.5 alone);
+  (`--decode-ms`; the ViT's kernels share the GPU), plus `--decode-extra-ms`;
+- a step with prompts: the packed graph's row bucket (13.4 ms for the 640-row bucket, as one W1
+  prompt alone took on the device; 40.0 for 2,048, bench.decode_step; linear between, never
+  under one weight read), plus `--riding-ms` per decode riding in it (their attention), plus
+  `--prompt-extra-ms` (what a step of one prompt took in the mesh over that: 14.3-14.5 ms with
+  1-4 riding decodes at 25 req/s);
 - before the llm, `--front-ms` (gateway, preprocessing, the ViT, the hand-off: about 15 ms at
   25-35 req/s), after its last token `--back-ms`; or, with `--overheads RESULTS`, each request
   draws both from a measured mesh run (a `vlmesh bench` results file, the run at the rate
@@ -242,13 +244,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_MAX_PREFILL_TOKENS)
     p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--decode-ms", default="1:5.2,2:5.4,4:5.5,8:6.4,16:7.3,32:8.3", help="bucket:ms,...")
+    p.add_argument("--decode-ms", default="1:4.3,2:4.5,4:4.9,8:5.5,16:6.1,32:7.3", help="bucket:ms,...")
     p.add_argument("--decode-extra-ms", type=float, default=0.0)
-    p.add_argument("--prompt-640-ms", type=float, default=14.5)
+    p.add_argument("--prompt-640-ms", type=float, default=13.4)
     p.add_argument("--prompt-2048-ms", type=float, default=40.0)
     p.add_argument("--weight-read-ms", type=float, default=4.6)
     p.add_argument("--riding-ms", type=float, default=0.1)
-    p.add_argument("--prompt-extra-ms", type=float, default=2.4)
+    p.add_argument("--prompt-extra-ms", type=float, default=0.9)
     p.add_argument("--front-ms", type=float, default=15.0)
     p.add_argument("--back-ms", type=float, default=2.0)
     p.add_argument("--overheads", default=None, help="a vlmesh bench results file: draw front and back from it")
