@@ -169,10 +169,9 @@ class NativeEngine:
     def _launch(self, plan: Plan, lane: Lane) -> Launched | None:
         """Launch a plan on a lane; None when nothing of it was left to run, or it failed (its
         requests with it, once what it queued has ended: the rest are served)."""
-        begun = self._begin(plan)
-        if begun is None:
+        step = self._begin(plan)
+        if step is None:
             return None
-        step = Launched(*begun[:2], None, begun[2])
         for req in step.held:
             req.in_flight += 1
         try:
@@ -187,9 +186,9 @@ class NativeEngine:
             return None
         return step
 
-    def _begin(self, plan: Plan) -> tuple[list, list[Request], float] | None:
-        """A plan's bookkeeping before its launch: what it runs (chunks whose leases hold, decodes
-        still running) and when, or None when nothing is left to run."""
+    def _begin(self, plan: Plan) -> Launched | None:
+        """A plan's bookkeeping before its launch: the step it launches (chunks whose leases hold,
+        decodes still running, the clock), or None when nothing is left to run."""
         now = time.perf_counter()
         for req in plan.preempted:  # it resumes by recomputing what its pages held
             PREEMPTIONS.labels("llm", req.qos.wire).inc()
@@ -207,7 +206,7 @@ class NativeEngine:
             return None
         if decodes:
             BATCH_SIZE.labels("llm").observe(len(decodes))
-        return chunks, decodes, time.perf_counter()
+        return Launched(chunks, decodes, None, time.perf_counter())
 
     def _complete(self, step: Launched, lane: str = "shared") -> None:
         """A launched step's end: wait for its tokens (the host sync: its reads are done), then
