@@ -1,6 +1,6 @@
 """The native llm engine: `schedule -> run -> postprocess` on one dedicated thread.
 
-The thread launches each step before it hands out the tokens of the one ahead of it
+On CUDA the thread launches each step before it hands out the tokens of the one ahead of it
 (services/llm/shared_loop.py); with `--lanes split` it keeps a prefill step and a decode step in
 flight at once (services/llm/split_loop.py). The bookkeeping around a step (`_begin`,
 `_complete`) is the same in both. A request ended while a launched step holds it (a cancel, a

@@ -10,7 +10,7 @@ what the step carried (`prompts`, `prompt_rows`, `decodes`). On CUDA `run_ms` is
 `device_ms`, the device's span from that work to the step's end; and `wake_ms`, the rest: the
 GPU taking the step's first work late (another process's turn on a time-sliced GPU) and the
 engine thread running again after the sync (a wait for the GIL).
-The engine launches a step before the one ahead of it is handed out (services/llm/engine.py), so
+On CUDA the engine launches a step before the one ahead of it is handed out (shared_loop.py), so
 a step's span starts at its launch or at the end of the last step's handling, whichever is later:
 the spans do not overlap, and a step launched ahead has no gap and no staging of its own.
 `python -m bench.step_trace PATH` sums it up.
