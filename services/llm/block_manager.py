@@ -7,11 +7,13 @@ A page holds `page_size` consecutive positions of one sequence, in every layer. 
 never handed out: the model runner points unused block-table entries and the padding rows
 of a captured decode batch at it, so their writes land nowhere that matters.
 
-Prefix caching: a full prompt page, once computed, is registered under its key
+Prefix caching: a full prompt page, once computed, is registered under its key, and a
+prompt page (full or the prompt's last) under the keys of its leading parts
 (services/llm/prefix.py). Pages are reference counted; a later request whose leading keys
-match shares those pages (read only: it starts its prefill after them). A registered page
-that nobody holds stays cached, and counts as free: `allocate` takes truly free pages first,
-then evicts cached ones, least recently released first.
+match shares those pages (read only: it starts its prefill after them), and one whose prompt
+matches part of a page copies that part into a page of its own. A registered page that
+nobody holds stays cached, and counts as free: `allocate` takes truly free pages first, then
+evicts cached ones (with all their keys), least recently released first.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ class BlockManager:
         # Popped from the end: low page numbers first, which keeps a lightly used pool compact.
         self._free = list(range(n_pages - 1, NULL_PAGE, -1))
         self._refs = [0] * n_pages
-        self._page_of: dict[bytes, int] = {}  # key -> the page that holds it
-        self._key_of: dict[int, bytes] = {}
+        self._page_of: dict[bytes, int] = {}  # key (a page's, or a part's) -> the page that holds it
+        self._keys_of: dict[int, list[bytes]] = {}  # page -> the keys it holds
         self._cached: OrderedDict[int, None] = OrderedDict()  # registered, held by nobody; LRU first
         self.evictions = 0
 
@@ -48,7 +50,7 @@ class BlockManager:
     @property
     def cached(self) -> int:
         """Pages registered under a key (held or not)."""
-        return len(self._key_of)
+        return len(self._keys_of)
 
     def pages_for(self, tokens: int) -> int:
         """Pages that `tokens` positions occupy."""
@@ -63,6 +65,14 @@ class BlockManager:
                 break
             pages.append(page)
         return pages
+
+    def find(self, keys: Sequence[tuple[int, bytes]]) -> tuple[int, int] | None:
+        """(page, positions) of the first of these part keys (longest first) the pool holds, or None."""
+        for n, key in keys:
+            page = self._page_of.get(key)
+            if page is not None:
+                return page, n
+        return None
 
     def can_allocate(self, pages: int, sharing: Sequence[int] = ()) -> bool:
         """Whether `pages` new pages fit once the cached pages of `sharing` are taken out of the free count."""
@@ -86,22 +96,25 @@ class BlockManager:
         taken.reverse()
         while len(taken) < pages:
             page, _ = self._cached.popitem(last=False)
-            del self._page_of[self._key_of.pop(page)]
+            for key in self._keys_of.pop(page):
+                del self._page_of[key]
             self.evictions += 1
             taken.append(page)
         for p in taken:
             self._refs[p] = 1
         return taken
 
-    def register(self, page: int, key: bytes) -> None:
-        """A held page now holds the computed prompt page `key`: later requests may share it.
+    def register(self, page: int, keys: Sequence[bytes]) -> None:
+        """A held page now holds what `keys` name (a computed prompt page, leading parts of one):
+        later requests may share or copy it.
 
         A key another page holds already stays with that page (two requests computed the same
-        prefix at once); this one stays private and is freed as usual.
+        prefix at once); a page that holds no key stays private and is freed as usual.
         """
-        if key not in self._page_of and page not in self._key_of:
-            self._page_of[key] = page
-            self._key_of[page] = key
+        for key in keys:
+            if key not in self._page_of:
+                self._page_of[key] = page
+                self._keys_of.setdefault(page, []).append(key)
 
     def release(self, pages: Sequence[int]) -> None:
         """Drop one holder of each page (a finished, aborted or preempted sequence's)."""
@@ -109,7 +122,7 @@ class BlockManager:
             self._refs[p] -= 1
             if self._refs[p] > 0:
                 continue
-            if p in self._key_of:
+            if p in self._keys_of:
                 self._cached[p] = None  # most recently released last
             else:
                 self._free.append(p)

@@ -103,3 +103,10 @@ class PagedKvCache:
         # there could hold NaN (harmless to other rows, but noisy to debug).
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(t.layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(t.layers)]
+
+    def copy_page(self, src: int, dst: int, positions: int) -> None:
+        """Copy the first `positions` positions of page `src` into page `dst`, in every layer (queued on
+        the current stream: a prefix-cache part, services/llm/prefix.py)."""
+        s, d = src * self.page_size, dst * self.page_size
+        for t in (*self.k, *self.v):  # 2 x layers small copies; their bytes are a few MB at most
+            t[:, d : d + positions].copy_(t[:, s : s + positions])

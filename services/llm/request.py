@@ -67,11 +67,16 @@ class Request:
     prefill_target: int = 0  # positions the prefill covers: the prompt, and after a preemption the tokens so far
     computed: int = 0  # positions whose K/V are in the cache
     # Prefix cache: the keys of the prompt's full pages (None until the scheduler needs them),
-    # how many of its pages are registered in the pool, and the prompt positions its first
-    # admission found cached (usage.cached_tokens).
+    # how many of its pages are registered in the pool, whether its pages' parts are, and the
+    # prompt positions its first admission found cached (usage.cached_tokens).
     page_keys: list[bytes] | None = None
     registered: int = 0
+    parts_registered: bool = False
     cached_tokens: int = 0
+    # (source page, positions): the leading positions of a cached page that match its prompt, to be
+    # copied into its own page of the same index before its prefill (set at admission, done by the
+    # runner before the step's forward).
+    kv_copy: tuple[int, int] | None = None
     generator: torch.Generator | None = None
     aborted: bool = False
     # Launched steps that hold it and whose tokens are not back yet (0-2). While it is in one, its

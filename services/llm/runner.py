@@ -182,6 +182,11 @@ class ModelRunner:
                 raise RuntimeError("a decode's unseen token is not from the step launched last on its lane")
         fetch, staging = lane.take(), lane.staging
         with lane.on():
+            for c in chunks:  # before any forward of the step, which may write the source page
+                if c.req.kv_copy:
+                    src, n = c.req.kv_copy
+                    self.kv.copy_page(src, c.req.blocks[c.start // self.page_size], n)
+                    c.req.kv_copy = None
             staging.begin()
             packed = bool(chunks) and self.packed is not None and self.packed.stage(chunks, decodes)
             riding = packed and self.packed.decode_rows > 0  # the decodes are rows of the packed forward

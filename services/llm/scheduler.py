@@ -29,9 +29,11 @@ So a running request never waits for memory, and a request waits in line rather 
 failing when the pool is full.
 
 Prefix cache: at admission the request's leading full prompt pages are looked up by key
-(services/llm/prefix.py) and the pool's pages shared; its prefill starts after them (always
-leaving one prompt position to compute). As a prefill completes full prompt pages the
-engine registers them (`computed`), for the requests after it. Preemption and finishing
+(services/llm/prefix.py) and the pool's pages shared, then the longest cached leading part of
+its next page, which the runner copies into the request's own page (`Request.kv_copy`); its
+prefill starts after them (always leaving one prompt position to compute). As a prefill
+completes full prompt pages the engine registers them (`computed`), and the parts of the
+request's pages once its prompt is done, for the requests after it. Preemption and finishing
 drop the request's hold on its pages; cached pages nobody holds are evicted only when the
 pool needs them (services/llm/block_manager.py).
 
@@ -53,7 +55,7 @@ from dataclasses import dataclass, field
 
 from services.common.qos import AGING_S, QosLevel, effective_class
 from services.llm.block_manager import BlockManager
-from services.llm.prefix import page_keys
+from services.llm.prefix import page_keys, part_keys
 from services.llm.request import Request
 
 DEFAULT_MAX_PREFILL_TOKENS = 1024
@@ -169,18 +171,24 @@ class Scheduler:
             if plan.prefill and req.seq_len > budget:  # whole or not yet (a cached prefix would only shrink it)
                 return budget
             shared = self._cached_prefix(req)
+            part = self._cached_part(req, len(shared))
+            held = [*shared, part[0]] if part else shared
             new_pages = self.blocks.pages_for(self._tokens(req)) - len(shared)
-            while not self._room(new_pages, shared):
+            while not self._room(new_pages, held):
                 victim = self._victim(req, now)
                 if victim is None:
                     return budget  # the head waits; nothing behind it overtakes it
                 self._preempt(victim, now)
                 plan.preempted.append(victim)
             self._pop()
-            self.blocks.share(shared)
+            self.blocks.share(held)  # the part's page too, so that this allocation does not evict it
             req.blocks = shared + self.blocks.allocate(new_pages)
+            if part:  # the runner copies it before this step's forward, ahead of any later write to it
+                self.blocks.release([part[0]])
+            req.kv_copy = part
             req.registered = len(shared)
-            req.computed = len(shared) * self.blocks.page_size  # its prefill starts after the shared pages
+            # Its prefill starts after the shared pages and the copied part.
+            req.computed = len(shared) * self.blocks.page_size + (part[1] if part else 0)
             if not req.preempted_at:
                 req.cached_tokens = req.computed
             req.prefill_target = req.seq_len
@@ -208,15 +216,34 @@ class Scheduler:
             req.page_keys = page_keys(req.prompt_ids, req.images, self.blocks.page_size)
         return self.blocks.lookup(req.page_keys[: (req.prompt_len - 1) // self.blocks.page_size])
 
+    def _cached_part(self, req: Request, page: int) -> tuple[int, int] | None:
+        """(cached page, positions) of the longest leading part of prompt page `page` the pool holds,
+        at most up to the prompt's last position (left to compute), or None."""
+        size = self.blocks.page_size
+        left = req.prompt_len - 1 - page * size
+        if not self.prefix_cache or left < 1 or page > len(req.page_keys):  # the chain ended before it
+            return None
+        prev = req.page_keys[page - 1] if page else b""
+        found = self.blocks.find(part_keys(req.prompt_ids, req.images, size, page, prev))
+        return (found[0], min(found[1], left)) if found else None
+
     def computed(self, req: Request) -> None:
-        """Register the full prompt pages a step computed, so that later prompts may share them."""
+        """Register the prompt pages a step computed, so that later prompts may share them: full
+        pages as they complete, and the leading parts of its own pages once the prompt has."""
         keys = req.page_keys
-        if not keys or not req.running:
+        if keys is None or not req.running:
             return
-        done = min(req.computed // self.blocks.page_size, len(keys))
+        size = self.blocks.page_size
+        done = min(req.computed // size, len(keys))
         for i in range(req.registered, done):
-            self.blocks.register(req.blocks[i], keys[i])
+            self.blocks.register(req.blocks[i], [keys[i]])
         req.registered = max(req.registered, done)
+        if req.parts_registered or req.computed < req.prompt_len:
+            return
+        req.parts_registered = True
+        for i in range(req.cached_tokens // size, min(self.blocks.pages_for(req.prompt_len), len(keys) + 1)):
+            prev = keys[i - 1] if i else b""
+            self.blocks.register(req.blocks[i], [k for _, k in part_keys(req.prompt_ids, req.images, size, i, prev)])
 
     def _class(self, req: Request, now: float) -> int:
         return effective_class(req.qos, now - req.arrival, self.aging_s)

@@ -76,6 +76,32 @@ def test_greedy_tokens_equal_transformers_fp32(fp32_parts, cut_preset):
     assert_idle(fp32_parts)
 
 
+def test_prefix_cache_hits_give_the_tokens_of_a_miss_fp32(fp32_parts, cut_preset):
+    """A repeated prompt (its full pages shared, all of its last page but one position copied) and
+    another question about the same picture (the leading part they share copied, the picture's
+    positions with it) decode as transformers does without a cache."""
+    model = hf_model(cut_preset, torch.float32)
+    data = image_bytes(300)
+    ask = "Look at the picture closely and tell me, in a few words, what "
+    cases = [(data, ask + "shape it is."), (data, ask + "shape it is."), (data, ask + "color it is.")]
+    got, reqs = [], []
+    for case in cases:  # one at a time: each finds what the ones before it computed
+        req, box = fp32_parts.request(*case, max_tokens=TOKENS, min_tokens=TOKENS)
+        fp32_parts.run((req, box))
+        got.append(box["ids"])
+        reqs.append(req)
+    for (data, prompt), ids in zip(cases, got, strict=True):
+        inputs = {k: v.to("cuda") for k, v in hf_inputs(cut_preset, data, prompt).items()}
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
+        assert ids == out[0, inputs["input_ids"].shape[1] :].tolist(), f"{prompt!r}: the engine differs"
+    first, again, other = reqs
+    assert first.cached_tokens == 0 and again.cached_tokens == again.prompt_len - 1
+    assert first.prompt_len % fp32_parts.engine.runner.page_size > 1  # the last page's part was copied
+    assert other.cached_tokens >= other.image_positions[0] + other.image_tokens  # no image position recomputed
+    assert_idle(fp32_parts)
+
+
 def test_packed_prefill_equals_the_per_chunk_prefill_fp32(fp32_parts, cut_preset):
     """The packed step, graph-captured (the default on CUDA), against `--prefill chunks`: prompts
     split by a small budget, decodes riding in prefill steps, repeated pictures sharing pages."""

@@ -39,6 +39,7 @@ class Seq:
     image_positions: list[int] = field(default_factory=list)
     image_features: list = field(default_factory=list)
     copy_features: bool = False
+    kv_copy: tuple[int, int] | None = None
     features_end: int = 0
     sampling: Sampling = GREEDY
     unseen: int = 0  # every token is back (the engine's step ahead is not in these tests)

@@ -6,7 +6,7 @@ import pytest
 
 from services.llm.block_manager import BlockManager
 from services.llm.config import NativeEngineConfig
-from services.llm.prefix import page_keys
+from services.llm.prefix import PART, page_keys, part_keys
 from tests.helpers import PROMPTS, Parts
 
 IMG_A, IMG_B = b"a" * 16, b"b" * 16
@@ -29,6 +29,22 @@ def test_keys_chain_over_full_pages_and_name_the_image():
     assert other_text[:4] == with_a[:4] and other_text[4] != with_a[4]
 
 
+def test_part_keys_name_each_leading_part_and_the_prompts_end():
+    ids = list(range(150))
+    full = page_keys(ids, [(4, 8, IMG_A)], 64)
+    # A full page: its parts every PART positions, longest first; the prompt's last page: up to its end.
+    assert [n for n, _ in part_keys(ids, [(4, 8, IMG_A)], 64, 1, full[0])] == [48, 32, 16]
+    tail = part_keys(ids, [(4, 8, IMG_A)], 64, 2, full[1])
+    assert [n for n, _ in tail] == [22, 16] and PART == 16
+    # Equal up to position 128 + 20: the parts that end before it are equal, the others are not.
+    other = part_keys([*ids[:148], 7, 7], [(4, 8, IMG_A)], 64, 2, full[1])
+    assert other[1] == tail[1] and other[0][1] != tail[0][1]
+    # Another image before it changes every part (the chain), and so does a keyless one in it.
+    assert part_keys(ids, [(4, 8, IMG_B)], 64, 2, page_keys(ids, [(4, 8, IMG_B)], 64)[1])[1] != tail[1]
+    assert part_keys(ids, [(20, 8, b"")], 64, 0, b"") == [(16, part_keys(ids, [], 64, 0, b"")[-1][1])]
+    assert part_keys(ids[:64], [], 64, 1, b"") == []  # the prompt holds nothing of page 1
+
+
 def test_an_image_without_a_key_ends_the_chain():
     assert len(page_keys(list(range(20)), [(6, 8, b"")], 4)) == 1  # page 0 only: page 1 reads the image
 
@@ -39,8 +55,8 @@ def test_an_image_without_a_key_ends_the_chain():
 def test_shared_pages_are_counted_and_cached_ones_count_as_free():
     bm = BlockManager(n_pages=5, page_size=4)  # 4 usable
     a = bm.allocate(2)
-    bm.register(a[0], b"k0")
-    bm.register(a[1], b"k1")
+    bm.register(a[0], [b"k0"])
+    bm.register(a[1], [b"k1"])
     assert bm.lookup([b"k0", b"k1", b"k2"]) == a
     bm.share(a)  # a second holder
     bm.release(a)
@@ -55,7 +71,7 @@ def test_allocation_takes_free_pages_first_then_evicts_the_least_recently_releas
     bm = BlockManager(n_pages=4, page_size=4)  # 3 usable
     p = bm.allocate(3)
     for page, key in zip(p, [b"x", b"y", b"z"], strict=True):
-        bm.register(page, key)
+        bm.register(page, [key])
     bm.release([p[1]])
     bm.release([p[0]])
     bm.release([p[2]])  # released order: y, x, z
@@ -70,8 +86,8 @@ def test_allocation_takes_free_pages_first_then_evicts_the_least_recently_releas
 def test_a_key_held_by_another_page_stays_with_it():
     bm = BlockManager(n_pages=4, page_size=4)
     a, b = bm.allocate(2)
-    bm.register(a, b"k")
-    bm.register(b, b"k")  # computed the same prefix at the same time
+    bm.register(a, [b"k"])
+    bm.register(b, [b"k"])  # computed the same prefix at the same time
     assert bm.lookup([b"k"]) == [a]
     bm.release([b])
     assert bm.free == 2 and bm.cached == 1  # b went back to the free list, uncached
@@ -124,3 +140,43 @@ def test_concurrent_equal_prompts_share_once_registered_and_all_decode_alike(eng
     on.run(later)
     assert all(box["ids"] == later[1]["ids"] for _, box in pairs)
     assert later[0].cached_tokens > 0
+
+
+@pytest.fixture(scope="module", params=["chunks", "packed"])
+def big_pages(tiny_model, request):
+    """Pages of 64 positions, in which a prompt ends part-way through; both prefill paths."""
+    on = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(kv_page_size=64, prefill=request.param))
+    off = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(kv_page_size=64, prefix_cache=False))
+    yield on, off
+    on.engine.stop()
+    off.engine.stop()
+
+
+def test_parts_of_a_page_are_copied_and_decode_exactly_as_misses(big_pages):
+    """A repeated prompt copies all its last page's positions but one; another question about the
+    same picture copies the leading parts they have in common; another picture, nothing past the
+    text before it. Each decodes as the pool without a cache does."""
+    on, off = big_pages
+    ask = "Look at the picture closely and tell me, in a few words, what "
+    jobs = [(0, ask + "shape it is."), (0, ask + "shape it is."), (0, ask + "color it is."), (1, ask + "shape it is.")]
+    got, cached, ids = [], [], []
+    for seed, prompt in jobs:  # one at a time: each finds what the ones before it computed
+        req, box = on.request(seed, prompt, max_tokens=10, min_tokens=10)
+        on.run((req, box))
+        got.append(box["ids"])
+        cached.append(req.cached_tokens)
+        ids.append(req.prompt_ids)
+    want = []
+    for seed, prompt in jobs:
+        req, box = off.request(seed, prompt, max_tokens=10, min_tokens=10)
+        off.run((req, box))
+        want.append(box["ids"])
+    assert got == want
+    req0, _ = on.request(*jobs[0])
+    n, image_at = req0.prompt_len, req0.image_positions[0]
+    assert image_at > 0
+    common = next(i for i, (a, b) in enumerate(zip(ids[0], ids[2], strict=False)) if a != b)
+    assert cached == [0, n - 1, common // PART * PART, image_at // PART * PART]
+    assert cached[2] >= image_at + 16  # the picture's positions were copied, not computed again
+    pages = on.engine.scheduler.blocks
+    assert pages.free == pages.capacity and pages.cached > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter
 
 from hypothesis import given, settings
@@ -20,12 +21,23 @@ class FakeRequest:
     unseen, generated, ended = Request.unseen, Request.generated, Request.ended
 
     def __init__(
-        self, rid: str, qos: QosLevel, arrival: float, prompt: int = 10, max_new: int = 6, keys: list | None = None
+        self,
+        rid: str,
+        qos: QosLevel,
+        arrival: float,
+        prompt: int = 10,
+        max_new: int = 6,
+        keys: list | None = None,
+        token: int | None = None,
     ) -> None:
         self.id, self.qos, self.arrival = rid, qos, arrival
-        self.prompt_ids, self.max_new = [0] * prompt, max_new
+        # Its own token unless told (equal prompts: equal ids), so that no part of another's page matches.
+        token = 1 + zlib.crc32(rid.encode()) % 10_000 if token is None else token
+        self.prompt_ids, self.max_new = [token] * prompt, max_new
+        self.images: list = []
         self.page_keys = keys or []  # the prefix cache's page keys (none: nothing is shared)
         self.registered = self.cached_tokens = 0
+        self.parts_registered, self.kv_copy = False, None
         self.aborted, self.computed, self.prefill_target = False, 0, 0
         self.in_flight, self.finished_at = 0, 0.0
         self.blocks: list[int] = []
@@ -273,8 +285,8 @@ def test_realtime_preempts_best_effort_for_pages_too():
 # --- the prefix cache ---
 
 
-def keyed(rid, keys, prompt=12, qos=QosLevel.STANDARD, t=0.0):
-    return FakeRequest(rid, qos, t, prompt=prompt, max_new=4, keys=keys)
+def keyed(rid, keys, prompt=12, qos=QosLevel.STANDARD, t=0.0, token=None):
+    return FakeRequest(rid, qos, t, prompt=prompt, max_new=4, keys=keys, token=token)
 
 
 def computed_first(sched: Scheduler, keys: list[bytes]):
@@ -319,7 +331,9 @@ def test_finishing_and_preemption_drop_holds_and_cached_pages_serve_a_resume():
     sched.add(rt)
     plan = sched.schedule()
     assert plan.preempted == [be] and be.computed == 0 and not be.blocks
-    assert sched.blocks.cached == 2  # be's computed pages stay cached, held by nobody
+    # be's computed pages stay cached, held by nobody: its two full pages, and the one its prompt
+    # ends in (under the key of that part)
+    assert sched.blocks.cached == 3
     run_plan(plan)
     sched.finish(rt)
     plan = sched.schedule()
@@ -378,7 +392,9 @@ def test_pages_are_never_shared_while_written_and_all_come_back(ops):
         if op == "add":
             keys = PREFIXES[prefix][: 1 + extra % len(PREFIXES[prefix])]
             n += 1
-            sched.add(keyed(f"r{n}", list(keys), prompt=4 * len(keys) + extra % 3, qos=qos, t=clock[0]))
+            # Equal prefixes have equal tokens: a page's leading parts may be copied from another's.
+            prompt = 4 * len(keys) + extra % 3
+            sched.add(keyed(f"r{n}", list(keys), prompt=prompt, qos=qos, t=clock[0], token=prefix))
         elif op == "finish" and sched.running:
             sched.finish(sched.running[extra % len(sched.running)])
         else:
@@ -386,6 +402,10 @@ def test_pages_are_never_shared_while_written_and_all_come_back(ops):
             for c in plan.prefill:  # what the chunk writes must be its own pages, held by nobody else
                 first, last = c.start // 4, (c.end - 1) // 4
                 assert all(sched.blocks._refs[c.req.blocks[i]] == 1 for i in range(first, last + 1))
+                if c.req.kv_copy:  # the part it copies ends where it starts, from a page not its own
+                    src, positions = c.req.kv_copy
+                    assert positions == c.start % 4 > 0 and src not in c.req.blocks
+                    c.req.kv_copy = None  # the runner's
             for r in plan.decode:
                 assert sched.blocks._refs[r.blocks[r.computed // 4]] == 1
             run_plan(plan)
