@@ -39,6 +39,18 @@ class FailedPrecondition(MeshError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class FeaturesNeeded(FailedPrecondition):
+    """The llm was sent an image's content key alone (LlmGenerateRequest.cached_image_keys) and its
+    prefix cache no longer holds that image's positions: the caller sends the features instead."""
+
+    reason = "features_needed"
+
+    def __init__(
+        self, message: str = "the llm's prefix cache does not hold these images' positions: send their features"
+    ):
+        super().__init__(message)
+
+
 class ResourceExhausted(MeshError):
     """Overload: the caller should retry after `retry_after_s`."""
 

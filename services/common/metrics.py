@@ -72,6 +72,12 @@ BATCH_SIZE = Histogram(
     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
 )
 CACHE_LOOKUPS = Counter("vlmesh_feature_cache_lookups_total", "Feature cache lookups", ["result"])
+VISION_SKIPS = Counter(
+    "vlmesh_vision_skips_total",
+    "Requests the gateway sent to the llm with their images' content keys alone (services/gateway/image_keys.py): "
+    "served from the llm's prefix cache (skipped), or sent again with features (fallback)",
+    ["result"],
+)
 HANDOFFS = Counter("vlmesh_handoffs_total", "Feature tensors handed over, by transport", ["transport"])
 HANDOFF_BYTES = Counter("vlmesh_handoff_bytes_total", "Bytes of features handed over, by transport", ["transport"])
 HANDOFF_FALLBACKS = Counter(

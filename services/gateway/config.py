@@ -211,6 +211,13 @@ class GatewayConfig:
         "--degrade-target that is that variant's own gateway)",
     )
     max_images: int = flag("--max-images", default=1, help="images per request (default %(default)s)")
+    skip_cached_encode: bool = flag(
+        "--skip-cached-encode",
+        default=True,
+        help="send an image the worker's llm has read before as its content key alone, without calling the "
+        "vision, where the llm reports reads_cached_images: it answers from its prefix cache, or asks for the "
+        "features (one llm round trip more); --no-skip-cached-encode encodes every image (default: on)",
+    )
     tenants: str | None = flag(
         "--tenants",
         default=None,

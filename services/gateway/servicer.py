@@ -23,11 +23,12 @@ from services.common.logs import request_context
 from services.common.qos import QosLevel, qos_from_metadata, qos_metadata
 from services.common.sampling import Sampling
 from services.common.server import INTERNAL_OPTIONS
-from services.common.timings import Timings
 from services.gateway.access_log import AccessLog, Entry
 from services.gateway.admission import Admission, AdmissionConfig, Ticket
 from services.gateway.checks import MAX_REQUEST_ID_CHARS, check_request, check_served
 from services.gateway.degrade import CheaperVariant, Degrader
+from services.gateway.image_keys import ImageKeys
+from services.gateway.relay import NotCached, finish_response
 from services.gateway.tenants import Tenant, TenantRegistry
 from services.gateway.workers import Worker, Workers
 from services.handoff.release import release_leases
@@ -68,6 +69,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         peer_credentials: grpc.ChannelCredentials | None = None,  # mTLS to vision and llm (services/common/tls.py)
         breaker: tuple[int, float] = (5, 5.0),  # failures in a row, cool-down s (services/gateway/workers.py)
         degrade: tuple[str | None, str | None] = (None, None),  # cheaper variant: target, name (gateway/degrade.py)
+        skip_cached_encode: bool = True,  # services/gateway/image_keys.py
     ) -> None:
         self.tenants = tenants
         self.access = AccessLog(access_log)
@@ -77,6 +79,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         cheaper = CheaperVariant(*degrade, peer_credentials, interceptors) if degrade[0] else None
         self.degrade = Degrader(self.admission, cheaper)
         self.max_images = max_images
+        self.image_keys = ImageKeys(skip_cached_encode)
         self._background: set[asyncio.Task] = set()
 
     async def llm_info(self) -> pb.ServiceInfo:
@@ -175,10 +178,32 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         ticket: Ticket,
         received: float,
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        """Encode, then relay the llm's stream (both on `worker`); the last message carries usage and timings."""
+        """Encode, then relay the llm's stream (both on `worker`); the last message carries usage and
+        timings. Images its llm has read before go as their content keys alone, without the vision
+        (services/gateway/image_keys.py), unless its cache no longer holds them."""
         metadata = qos_metadata(qos)
         admitted = time.perf_counter()
         info = await worker.llm_info()  # its host and GPU decide how its features cross
+        call = llm_pb2.LlmGenerateRequest(
+            request_id=request_id,
+            prompt=request.prompt,
+            messages=request.messages,
+            sampling=sampling.to_pb(),  # checked and normalised here, once
+            max_prompt_tokens=tenant.limits.get("max_prompt_tokens", 0) if tenant else 0,
+        )
+        stamps = (qos, received, admitted, ticket, tenant)
+        digests = await self.image_keys.digests(request.images) if info.reads_cached_images else None
+        keys = self.image_keys.get(worker.name, digests)
+        if keys is not None:
+            call.cached_image_keys.extend(keys)
+            try:
+                async with contextlib.aclosing(self._relay(worker, call, None, context, metadata, stamps)) as outs:
+                    async for out in outs:
+                        yield out
+                return
+            except NotCached:
+                self.image_keys.forget(worker.name, digests)
+            del call.cached_image_keys[:]
         consumer = pb.ConsumerInfo(host_id=info.host_id, gpu_uuid=info.gpu_uuid, accept=info.transports)
         with telemetry.span("gateway.vision"):
             try:
@@ -190,81 +215,64 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             except grpc.RpcError as err:
                 worker.failed(err)
                 raise from_rpc_error(err, "vision") from err
-        with telemetry.span("gateway.llm"):
-            call = worker.llm.Generate(
-                llm_pb2.LlmGenerateRequest(
-                    request_id=request_id,
-                    prompt=request.prompt,
-                    messages=request.messages,
-                    image_features=encoded.features,
-                    sampling=sampling.to_pb(),  # checked and normalised here, once
-                    max_prompt_tokens=tenant.limits.get("max_prompt_tokens", 0) if tenant else 0,
-                ),
-                metadata=metadata,
-                timeout=context.time_remaining(),
-            )
+        call.image_features.extend(encoded.features)
+        learn = digests is not None
+        async with contextlib.aclosing(self._relay(worker, call, encoded, context, metadata, stamps)) as outs:
+            async for out in outs:
+                if learn:  # an answer: its prompt pages are registered in the llm's prefix cache by now
+                    self.image_keys.learn(worker.name, digests, encoded.features)
+                    learn = False
+                yield out
+
+    async def _relay(
+        self,
+        worker: Worker,
+        call: llm_pb2.LlmGenerateRequest,
+        encoded: vision_pb2.EncodeResponse | None,
+        context: CallContext,
+        metadata: tuple,
+        stamps: tuple,  # qos, received, admitted, ticket, tenant
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """The llm's stream as the gateway's answers. `encoded` None: the call carries content keys
+        alone, and a FAILED_PRECONDITION before any answer raises NotCached (nothing was sent)."""
+        qos, received, admitted, ticket, tenant = stamps
+        features = encoded.features if encoded is not None else ()
+        with telemetry.span("gateway.llm", {"llm.features_cached": encoded is None}):
+            stream = worker.llm.Generate(call, metadata=metadata, timeout=context.time_remaining())
             first_token_at = None
             started = False
             try:
-                async for msg in call:
+                async for msg in stream:
+                    if not started and encoded is None:
+                        metrics.VISION_SKIPS.labels("skipped").inc()
                     started = True
                     if first_token_at is None and msg.token_ids:
                         first_token_at = time.perf_counter()
-                    out = gateway_pb2.GenerateResponse(request_id=request_id, text=msg.text, token_ids=msg.token_ids)
+                    out = gateway_pb2.GenerateResponse(
+                        request_id=call.request_id, text=msg.text, token_ids=msg.token_ids
+                    )
                     if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                        timings = self._finish(out, msg, encoded.timings, qos, received, admitted, first_token_at)
+                        vision = encoded.timings if encoded is not None else pb.StageTimings()
+                        timings = finish_response(out, msg, vision, qos, received, admitted, first_token_at)
                         self.admission.finish(ticket, timings, msg.usage.output_tokens)
                         worker.breaker.record(True)
                         if tenant is not None and tenant.tokens is not None:
                             tenant.tokens.charge(msg.usage.output_tokens)
                     yield out
             except grpc.RpcError as err:
+                if encoded is None and not started and err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise NotCached from err
                 worker.failed(err)
-                if not started:
-                    await self._release(worker, encoded.features)
+                if not started and features:  # the llm never read them: hand the slots back, not at the TTL
+                    await release_leases(worker.vision, features, timeout_s=2)
                 raise from_rpc_error(err, "llm") from err
             except (asyncio.CancelledError, GeneratorExit):  # the client went away or the deadline passed
-                call.cancel()
-                if not started:  # the llm may never have read them; don't wait for the TTL
-                    task = asyncio.get_running_loop().create_task(self._release(worker, encoded.features))
+                stream.cancel()
+                if not started and features:  # the llm may never have read them; don't wait for the TTL
+                    task = asyncio.create_task(release_leases(worker.vision, features, timeout_s=2))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
                 raise
-
-    @staticmethod
-    def _finish(
-        out, msg, vision_timings, qos, received: float, admitted: float, first_token_at: float | None
-    ) -> Timings:
-        """Fill the final message (usage, merged stage timings), record the request's metrics, return its timings."""
-        done = time.perf_counter()
-        t = (
-            Timings.from_pb(vision_timings)
-            .merge(Timings.from_pb(msg.timings))
-            .replace(admission=admitted - received, ttft=(first_token_at or done) - received, total=done - received)
-        )
-        out.timings.CopyFrom(t.to_pb())
-        out.finish_reason = msg.finish_reason
-        out.usage.CopyFrom(msg.usage)
-        n = msg.usage.output_tokens
-        level = qos.wire
-        metrics.REQUEST_DURATION.labels(level).observe(done - received)
-        metrics.TTFT.labels(level).observe(t.ttft)
-        if n > 1 and first_token_at is not None:
-            metrics.TPOT.labels(level).observe((done - first_token_at) / (n - 1))
-        metrics.OUTPUT_TOKENS.labels(level).inc(n)
-        telemetry.annotate(
-            {
-                "gen_ai.usage.input_tokens": msg.usage.prompt_tokens + msg.usage.image_tokens,
-                "gen_ai.usage.output_tokens": n,
-                "gen_ai.response.finish_reasons": [pb.FinishReason.Name(msg.finish_reason)],
-            }
-        )
-        return t
-
-    @staticmethod
-    async def _release(worker: Worker, refs) -> None:
-        """The llm never read these features: hand the slots back instead of waiting for the TTL."""
-        await release_leases(worker.vision, refs, timeout_s=2)
 
     @rpc.stream
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):

@@ -23,6 +23,8 @@ from vlmesh.v1 import common_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+CONTENT_KEY_BYTES = 16  # TensorRef.content_key: the features' identity (services/vision/feature_cache.py)
+
 TORCH_TO_PB = {
     torch.float32: pb.DTYPE_FLOAT32,
     torch.float16: pb.DTYPE_FLOAT16,

@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 
-from services.common.errors import MeshError
+from services.common.errors import FeaturesNeeded, MeshError
 from services.common.metrics import BATCH_SIZE, KV_PAGES, KV_SLOTS, PREEMPTIONS, PREFIX_TOKENS, QUEUE_DEPTH
 from services.common.qos import QosLevel
 from services.llm.block_manager import BlockManager
@@ -98,8 +98,16 @@ class NativeEngine:
         outputs, emit = queued_emit()
         req = new_request(self.prompts, self.default_max_tokens, job, emit)
         req.leases = leases
+        if job.features_cached:
+            req.features_cached = True
+            if not self.scheduler.prefix.holds_images(req):
+                raise FeaturesNeeded()
         self.add(req)
         return QueuedSubmission(req, outputs, self.abort)
+
+    @property
+    def reads_cached_images(self) -> bool:
+        return self.scheduler.prefix.enabled
 
     def add(self, req: Request) -> None:
         """Queue a built request; its outputs go to `req.emit` (from the engine thread)."""
@@ -190,6 +198,8 @@ class NativeEngine:
         """A plan's bookkeeping before its launch: the step it launches (chunks whose leases hold,
         decodes still running, the clock), or None when nothing is left to run."""
         now = time.perf_counter()
+        for req in plan.refused:
+            self._finish(req, Finish.ERROR, FeaturesNeeded())
         for req in plan.preempted:  # it resumes by recomputing what its pages held
             PREEMPTIONS.labels("llm", req.qos.wire).inc()
         for req in plan.admitted:
@@ -219,7 +229,7 @@ class NativeEngine:
         for c in chunks:
             if c.req.ended or not c.req.running:
                 continue
-            self.scheduler.computed(c.req)  # its full prompt pages, for the prompts after it
+            self.scheduler.prefix.computed(c.req)  # its full prompt pages, for the prompts after it
             # Read, and not reused while it was read; no later chunk reads them (`computed` may be
             # past them already: the next step, launched, may still be reading them).
             if c.req.leases and c.end >= c.req.features_end and self._leases_hold(c.req, 0):

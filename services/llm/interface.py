@@ -30,6 +30,9 @@ class Job:
     qos: QosLevel
     feature_keys: list[bytes] = field(default_factory=list)  # content key per image (b"" unknown); may be empty
     max_prompt_tokens: int = 0  # the tenant's limit on the prompt, image tokens included; 0: none
+    # `features` are placeholders [image_tokens, 0]: the engine serves the prompt from its prefix
+    # cache by `feature_keys` (LlmGenerateRequest.cached_image_keys), or raises FeaturesNeeded.
+    features_cached: bool = False
 
 
 class Leases(Protocol):
@@ -72,6 +75,10 @@ class Engine(Protocol):
         True: `submit` takes the features' Leases and releases them once its prefill has read
         them. False: it copies the features during `submit`, so the caller releases them then.
         """
+
+    @property
+    def reads_cached_images(self) -> bool:
+        """Whether `submit` takes a Job with `features_cached` (serving it from a prefix cache)."""
 
     def start(self) -> None:
         """Start serving (threads, background loops); call once, before `submit`."""

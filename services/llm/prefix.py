@@ -1,4 +1,5 @@
-"""Keys of a prompt's KV pages, and of their leading parts, for the prefix cache (pure Python, no torch).
+"""The prefix cache: keys of a prompt's KV pages and of their leading parts, what the pool holds of
+a prompt, and registering what a prefill computed (pure Python, no torch).
 
 Page i's key hashes the key of page i-1 with the token ids of page i, so equal keys mean
 equal prompts up to the end of that page: a request whose leading pages have keys the pool
@@ -8,8 +9,8 @@ the image bytes, the preprocessing and the vision model, made by the vision serv
 where that image starts. Two requests with the same image and the same leading text share
 pages; two images of equal size never do.
 
-A page's leading parts have keys too (`part_keys`): its first 16, 32, ... positions, and the
-prompt's end when it falls inside the page. A request whose prompt leaves the cached pages
+A page's leading parts have keys too (`part_keys`): its first 16, 32, ... positions, and where
+the prompt or an image ends inside the page. A request whose prompt leaves the cached pages
 part-way through a page (another question about the same image; or the very same prompt, whose
 last page is never full) copies the matching part of that page into a page of its own and
 computes only the rest. A page holds 128 positions on CUDA, so without parts a repeated
@@ -24,6 +25,11 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.llm.block_manager import BlockManager
+    from services.llm.request import Request
 
 KEY_BYTES = 16
 PART = 16  # a page's leading parts are keyed every PART positions (and at the prompt's end)
@@ -60,14 +66,16 @@ def part_keys(
     prompt_ids: Sequence[int], images: Images, page_size: int, page: int, prev: bytes
 ) -> list[tuple[int, bytes]]:
     """(positions, key) of the leading parts of prompt page `page`, longest first: every multiple of
-    PART shorter than the page and than the prompt's share of it, and that share when the prompt
-    ends inside the page. `prev` is the key of page - 1 (b"" for page 0). A part that reads a
-    keyless image has no key, nor has any longer one."""
+    PART shorter than the page and than the prompt's share of it, that share when the prompt ends
+    inside the page, and the end of each image that ends inside it (so that another question about
+    the same picture finds every image position cached). `prev` is the key of page - 1 (b"" for
+    page 0). A part that reads a keyless image has no key, nor has any longer one."""
     lo = page * page_size
     held = min(page_size, len(prompt_ids) - lo)
-    lengths = list(range(PART, min(held, page_size - 1) + 1, PART))
-    if 0 < held < page_size and (not lengths or lengths[-1] != held):
-        lengths.append(held)
+    ends = {pos + n - lo for pos, n, _ in images if 0 < pos + n - lo < min(held + 1, page_size)}
+    lengths = sorted(
+        {*range(PART, min(held, page_size - 1) + 1, PART), *ends, *([held] if 0 < held < page_size else [])}
+    )
     keys = []
     for n in lengths:
         key = _key(prev, prompt_ids, images, lo, lo + n)
@@ -75,3 +83,53 @@ def part_keys(
             break
         keys.append((n, key))
     return keys[::-1]
+
+
+class PrefixCache:
+    """A request's prompt against the pool's registered pages (services/llm/block_manager.py)."""
+
+    def __init__(self, blocks: BlockManager, enabled: bool = True) -> None:
+        self.blocks, self.enabled = blocks, enabled
+
+    def lookup(self, req: Request) -> tuple[list[int], tuple[int, int] | None, int]:
+        """The pool's pages of the request's leading prompt pages; (page, positions) of the longest
+        cached leading part of its next page, or None; and where its prefill starts after them. At
+        least one prompt position is left to compute (its logits give the first token).
+
+        It changes nothing but the request's own keys: a peek from another thread is safe."""
+        if not self.enabled:
+            return [], None, 0
+        size = self.blocks.page_size
+        if req.page_keys is None:
+            req.page_keys = page_keys(req.prompt_ids, req.images, size)
+        shared = self.blocks.lookup(req.page_keys[: (req.prompt_len - 1) // size])
+        page, part = len(shared), None
+        left = req.prompt_len - 1 - page * size
+        if left >= 1 and page <= len(req.page_keys):  # else the chain ended before this page
+            found = self.blocks.find(
+                part_keys(req.prompt_ids, req.images, size, page, req.page_keys[page - 1] if page else b"")
+            )
+            part = (found[0], min(found[1], left)) if found else None
+        return shared, part, page * size + (part[1] if part else 0)
+
+    def holds_images(self, req: Request) -> bool:
+        """Whether the pool holds the KV of every image position of the request's prompt now."""
+        return self.lookup(req)[2] >= req.features_end
+
+    def computed(self, req: Request) -> None:
+        """Register the prompt pages a step computed, so that later prompts may share them: full
+        pages as they complete, and the leading parts of its own pages once the prompt has."""
+        keys = req.page_keys
+        if keys is None or not req.running:
+            return
+        size = self.blocks.page_size
+        done = min(req.computed // size, len(keys))
+        for i in range(req.registered, done):
+            self.blocks.register(req.blocks[i], [keys[i]])
+        req.registered = max(req.registered, done)
+        if req.parts_registered or req.computed < req.prompt_len:
+            return
+        req.parts_registered = True
+        for i in range(req.cached_tokens // size, min(self.blocks.pages_for(req.prompt_len), len(keys) + 1)):
+            prev = keys[i - 1] if i else b""
+            self.blocks.register(req.blocks[i], [k for _, k in part_keys(req.prompt_ids, req.images, size, i, prev)])

@@ -83,6 +83,10 @@ class Request:
     # pages and leases are not released (a step may still read or write them); with `--lanes
     # split` no other step may plan it and preemption may not take its pages (two streams).
     in_flight: int = 0
+    # Sent as content keys alone (cached_image_keys): `image_features` are placeholders of the right
+    # length, never read. It runs only if the prefix cache holds every image position, and is never
+    # preempted (a resume would recompute them).
+    features_cached: bool = False
     # Copy the features before the prefill reads them: they alias the vision's memory, whose
     # lease ends after the prefill, and this request may be preempted and recomputed later.
     copy_features: bool = False

@@ -32,8 +32,8 @@ Prefix cache: at admission the request's leading full prompt pages are looked up
 (services/llm/prefix.py) and the pool's pages shared, then the longest cached leading part of
 its next page, which the runner copies into the request's own page (`Request.kv_copy`); its
 prefill starts after them (always leaving one prompt position to compute). As a prefill
-completes full prompt pages the engine registers them (`computed`), and the parts of the
-request's pages once its prompt is done, for the requests after it. Preemption and finishing
+completes full prompt pages the engine registers them (`PrefixCache.computed`), and the
+parts of the request's pages once its prompt is done, for the requests after it. Preemption and finishing
 drop the request's hold on its pages; cached pages nobody holds are evicted only when the
 pool needs them (services/llm/block_manager.py).
 
@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from services.common.qos import AGING_S, QosLevel, effective_class
 from services.llm.block_manager import BlockManager
-from services.llm.prefix import page_keys, part_keys
+from services.llm.prefix import PrefixCache
 from services.llm.request import Request
 
 DEFAULT_MAX_PREFILL_TOKENS = 1024
@@ -81,10 +81,14 @@ class Plan:
     decode: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)  # their first chunk is in `prefill`
+    # Sent as content keys alone, and the pool no longer holds their images' KV: the engine
+    # answers them FeaturesNeeded (the caller sends the features).
+    refused: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.prefill and not self.decode
+        """Nothing to run, and nobody to answer."""
+        return not self.prefill and not self.decode and not self.refused
 
 
 class Scheduler:
@@ -104,7 +108,7 @@ class Scheduler:
         self._waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order
         self.aging_s, self.clock = aging_s, clock
-        self.prefix_cache, self.follow = prefix_cache, follow
+        self.prefix, self.follow = PrefixCache(blocks, prefix_cache), follow
         # Waiting requests per class, kept as the queue changes (read by the engine's gauges).
         self.waiting_by_qos: Counter[QosLevel] = Counter()
 
@@ -170,8 +174,10 @@ class Scheduler:
                 return budget
             if plan.prefill and req.seq_len > budget:  # whole or not yet (a cached prefix would only shrink it)
                 return budget
-            shared = self._cached_prefix(req)
-            part = self._cached_part(req, len(shared))
+            shared, part, start = self.prefix.lookup(req)
+            if req.features_cached and start < req.features_end:  # evicted while it waited
+                plan.refused.append(self._pop())
+                continue
             held = [*shared, part[0]] if part else shared
             new_pages = self.blocks.pages_for(self._tokens(req)) - len(shared)
             while not self._room(new_pages, held):
@@ -187,8 +193,7 @@ class Scheduler:
                 self.blocks.release([part[0]])
             req.kv_copy = part
             req.registered = len(shared)
-            # Its prefill starts after the shared pages and the copied part.
-            req.computed = len(shared) * self.blocks.page_size + (part[1] if part else 0)
+            req.computed = start  # after the shared pages and the copied part
             if not req.preempted_at:
                 req.cached_tokens = req.computed
             req.prefill_target = req.seq_len
@@ -206,44 +211,6 @@ class Scheduler:
 
     def _room(self, pages: int, shared: list[int]) -> bool:
         return len(self.running) < self.max_batch and self.blocks.can_allocate(pages, shared)
-
-    def _cached_prefix(self, req: Request) -> list[int]:
-        """The pool's pages of the request's leading prompt pages; at least one prompt position is left
-        to compute (its logits give the first token)."""
-        if not self.prefix_cache:
-            return []
-        if req.page_keys is None:
-            req.page_keys = page_keys(req.prompt_ids, req.images, self.blocks.page_size)
-        return self.blocks.lookup(req.page_keys[: (req.prompt_len - 1) // self.blocks.page_size])
-
-    def _cached_part(self, req: Request, page: int) -> tuple[int, int] | None:
-        """(cached page, positions) of the longest leading part of prompt page `page` the pool holds,
-        at most up to the prompt's last position (left to compute), or None."""
-        size = self.blocks.page_size
-        left = req.prompt_len - 1 - page * size
-        if not self.prefix_cache or left < 1 or page > len(req.page_keys):  # the chain ended before it
-            return None
-        prev = req.page_keys[page - 1] if page else b""
-        found = self.blocks.find(part_keys(req.prompt_ids, req.images, size, page, prev))
-        return (found[0], min(found[1], left)) if found else None
-
-    def computed(self, req: Request) -> None:
-        """Register the prompt pages a step computed, so that later prompts may share them: full
-        pages as they complete, and the leading parts of its own pages once the prompt has."""
-        keys = req.page_keys
-        if keys is None or not req.running:
-            return
-        size = self.blocks.page_size
-        done = min(req.computed // size, len(keys))
-        for i in range(req.registered, done):
-            self.blocks.register(req.blocks[i], [keys[i]])
-        req.registered = max(req.registered, done)
-        if req.parts_registered or req.computed < req.prompt_len:
-            return
-        req.parts_registered = True
-        for i in range(req.cached_tokens // size, min(self.blocks.pages_for(req.prompt_len), len(keys) + 1)):
-            prev = keys[i - 1] if i else b""
-            self.blocks.register(req.blocks[i], [k for _, k in part_keys(req.prompt_ids, req.images, size, i, prev)])
 
     def _class(self, req: Request, now: float) -> int:
         return effective_class(req.qos, now - req.arrival, self.aging_s)
@@ -263,7 +230,7 @@ class Scheduler:
             for r in self.running
             if r.qos is QosLevel.BEST_EFFORT
             and self._class(r, now) > rank
-            and not (r.aborted or r.ended)
+            and not (r.aborted or r.ended or r.features_cached)  # a resume would need its features
             and (self.follow or not r.in_flight)
         ]
         return min(candidates, key=lambda r: (len(r.output_ids), -r.arrival), default=None)

@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 
 import grpc
+import torch
 
 from services.common import metrics, rpc, telemetry
 from services.common.config import DEFAULT_HOST
-from services.common.errors import InvalidArgument, MeshError, Unavailable
+from services.common.errors import FeaturesNeeded, InvalidArgument, MeshError, Unavailable
 from services.common.logs import request_context
 from services.common.memory import MemoryGuard, Watermarks
 from services.common.qos import qos_from_metadata
@@ -28,7 +29,7 @@ from services.common.timings import Timings
 from services.common.tls import aio_channel
 from services.common.validation import check_conversation, check_sampling
 from services.handoff.consumer import Consumer
-from services.handoff.wire import transport_name
+from services.handoff.wire import CONTENT_KEY_BYTES, transport_name
 from services.llm.interface import Engine, Job
 from services.llm.request import Finish, Output, Request
 from services.model.spec import LlavaSpec
@@ -80,6 +81,11 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             }
         )
         self.memory.admit(qos)
+        if request.cached_image_keys:
+            async with contextlib.aclosing(self._from_cache(request, qos)) as msgs:
+                async for msg in msgs:
+                    yield msg
+            return
         if not request.image_features:
             raise InvalidArgument("image_features: one image is required")
         prompt = check_conversation(request.prompt, request.messages, len(request.image_features))
@@ -102,12 +108,38 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             await self.consumer.release(refs)  # answered only once the slots are back
             raise
         features.release_rest()  # the engine holds its copy of the rest by now
+        async with contextlib.aclosing(self._relay(sub, handoff)) as msgs:  # closed with this RPC's generator
+            async for msg in msgs:
+                yield msg
+
+    async def _from_cache(self, request: llm_pb2.LlmGenerateRequest, qos):
+        """A request sent with its images' content keys alone: served from the prefix cache, reading
+        no features, or FAILED_PRECONDITION (FeaturesNeeded) before any work."""
+        keys = list(request.cached_image_keys)
+        if request.image_features:
+            raise InvalidArgument("send image_features or cached_image_keys, not both")
+        if any(len(k) != CONTENT_KEY_BYTES for k in keys):
+            raise InvalidArgument(f"cached_image_keys: each is a {CONTENT_KEY_BYTES}-byte TensorRef.content_key")
+        if not self.engine.reads_cached_images:
+            raise FeaturesNeeded("this llm serves no image from its cache: send image_features")
+        prompt = check_conversation(request.prompt, request.messages, len(keys))
+        sampling = check_sampling(request.sampling, self.spec.text.max_context)
+        # Placeholders of each image's length: the engine reads none of them.
+        holes = [torch.empty(self.spec.image_tokens, 0) for _ in keys]
+        job = Job(request.request_id, prompt, holes, sampling, qos, keys, request.max_prompt_tokens, True)
+        telemetry.annotate({"llm.features_cached": True})
+        async with contextlib.aclosing(self._relay(self.engine.submit(job), 0.0)) as msgs:
+            async for msg in msgs:
+                yield msg
+
+    async def _relay(self, sub, handoff_s: float):
+        """The engine's outputs as responses; the last carries usage and timings."""
         async with contextlib.aclosing(sub.outputs()) as outputs:  # closing it aborts an unfinished request
             async for out in outputs:
                 if out.finish is None:
                     yield llm_pb2.LlmGenerateResponse(text=out.text, token_ids=out.token_ids)
                 else:
-                    yield self._final(sub.req, out, handoff)
+                    yield self._final(sub.req, out, handoff_s)
 
     def _final(self, req: Request, out: Output, handoff_s: float):
         if out.finish is Finish.ERROR:
@@ -162,6 +194,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             image_tokens=self.spec.image_tokens,
             default_max_tokens=self.default_max_tokens,
             variant=self.variant,
+            reads_cached_images=self.engine.reads_cached_images,
         )
 
     def close(self) -> None:

@@ -129,6 +129,7 @@ class VllmEngine:
     """vLLM's AsyncLLM over the exported language model, behind the Engine interface."""
 
     reads_in_place = False  # the features are copied into prompt_embeds at submit
+    reads_cached_images = False  # prompt_embeds: nothing to key its prefix cache by
 
     def __init__(
         self,

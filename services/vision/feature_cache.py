@@ -27,12 +27,13 @@ import torch
 from services.common import metrics, telemetry
 from services.handoff.producer import Producer
 from services.handoff.transport import Transport
+from services.handoff.wire import CONTENT_KEY_BYTES
 from services.model.preprocess import ImageProcessorConfig
 from vlmesh.v1 import common_pb2 as pb
 
 T = TypeVar("T")
 
-KEY_BYTES = 16
+KEY_BYTES = CONTENT_KEY_BYTES
 
 
 def config_salt(model_id: str, processor: ImageProcessorConfig, dtype: torch.dtype) -> bytes:

@@ -75,9 +75,29 @@ def test_64_concurrent_requests_over_8_pictures_each_get_their_own_answer(mesh):
     ]
     assert not wrong, wrong[:5]
     assert again.text == pics[0].answer(jobs[0][1]) and again.usage.cached_tokens > 144
+    # The llm held the picture's positions: the gateway sent its content key alone, and no vision stage ran.
+    assert again.timings.preprocess_ms == again.timings.vision_ms == 0
     vision, llm = scrape(mesh.metrics_ports["vision"]), scrape(mesh.metrics_ports["llm"])
+    gateway = scrape(mesh.metrics_ports["gateway"])
     hits = counter(vision, 'vlmesh_feature_cache_lookups_total{result="hit"}')
     misses = counter(vision, 'vlmesh_feature_cache_lookups_total{result="miss"}')
-    assert hits + misses == 66 and hits > 0 and misses > 8  # 8 pictures, 3 slots: evicted and encoded again
+    skipped = counter(gateway, 'vlmesh_vision_skips_total{result="skipped"}')
+    assert hits + misses + skipped == 66 and skipped >= 1
+    assert hits > 0 and misses > 8  # 8 pictures, 3 slots: evicted and encoded again
     assert counter(vision, 'vlmesh_arena_slots{arena="shm",state="kept"}') <= KEPT
     assert counter(llm, 'vlmesh_prefix_cache_tokens_total{result="hit"}') > 0
+
+
+def test_another_question_about_a_picture_the_llm_holds_skips_the_vision(mesh):
+    """The llm keeps a part of a page that ends where the picture does (services/llm/prefix.py): a
+    new question finds every image position cached, so the gateway sends the content key alone."""
+    pic = render(np.random.default_rng([999, 0]))
+    data = encode(pic.image, "PNG", 0)
+    prompts = list(PROMPTS)[:2]
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        first, second = (ask(stub, data, p) for p in prompts)
+    assert [first.text, second.text] == [pic.answer(p) for p in prompts]
+    assert first.timings.vision_ms > 0 and first.usage.cached_tokens == 0
+    assert second.timings.preprocess_ms == second.timings.vision_ms == 0
+    assert second.usage.cached_tokens > 144  # the demo model's 144 image positions, and the text before them

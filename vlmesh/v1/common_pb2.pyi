@@ -200,7 +200,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServiceInfo(_message.Message):
-    __slots__ = ("service", "model_id", "host_id", "gpu_uuid", "transports", "max_context", "image_tokens", "default_max_tokens", "variant")
+    __slots__ = ("service", "model_id", "host_id", "gpu_uuid", "transports", "max_context", "image_tokens", "default_max_tokens", "variant", "reads_cached_images")
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,7 @@ class ServiceInfo(_message.Message):
     IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VARIANT_FIELD_NUMBER: _ClassVar[int]
+    READS_CACHED_IMAGES_FIELD_NUMBER: _ClassVar[int]
     service: str
     model_id: str
     host_id: str
@@ -219,4 +220,5 @@ class ServiceInfo(_message.Message):
     image_tokens: int
     default_max_tokens: int
     variant: str
-    def __init__(self, service: _Optional[str] = ..., model_id: _Optional[str] = ..., host_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., max_context: _Optional[int] = ..., image_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., variant: _Optional[str] = ...) -> None: ...
+    reads_cached_images: bool
+    def __init__(self, service: _Optional[str] = ..., model_id: _Optional[str] = ..., host_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., max_context: _Optional[int] = ..., image_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., variant: _Optional[str] = ..., reads_cached_images: _Optional[bool] = ...) -> None: ...

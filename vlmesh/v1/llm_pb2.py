@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from vlmesh.v1 import common_pb2 as vlmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13vlmesh/v1/llm.proto\x12\tvlmesh.v1\x1a\x16vlmesh/v1/common.proto\"\xd8\x01\n\x12LlmGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x0eimage_features\x18\x03 \x03(\x0b\x32\x14.vlmesh.v1.TensorRef\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.vlmesh.v1.SamplingParams\x12(\n\x08messages\x18\x05 \x03(\x0b\x32\x16.vlmesh.v1.ChatMessage\x12\x19\n\x11max_prompt_tokens\x18\x06 \x01(\r\"\xb1\x01\n\x13LlmGenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.vlmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.vlmesh.v1.Usage\x12(\n\x07timings\x18\x05 \x01(\x0b\x32\x17.vlmesh.v1.StageTimings2\x8a\x01\n\x03Llm\x12K\n\x08Generate\x12\x1d.vlmesh.v1.LlmGenerateRequest\x1a\x1e.vlmesh.v1.LlmGenerateResponse0\x01\x12\x36\n\x04Info\x12\x16.vlmesh.v1.InfoRequest\x1a\x16.vlmesh.v1.ServiceInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13vlmesh/v1/llm.proto\x12\tvlmesh.v1\x1a\x16vlmesh/v1/common.proto\"\xf3\x01\n\x12LlmGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12,\n\x0eimage_features\x18\x03 \x03(\x0b\x32\x14.vlmesh.v1.TensorRef\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.vlmesh.v1.SamplingParams\x12(\n\x08messages\x18\x05 \x03(\x0b\x32\x16.vlmesh.v1.ChatMessage\x12\x19\n\x11max_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_image_keys\x18\x07 \x03(\x0c\"\xb1\x01\n\x13LlmGenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.vlmesh.v1.FinishReason\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.vlmesh.v1.Usage\x12(\n\x07timings\x18\x05 \x01(\x0b\x32\x17.vlmesh.v1.StageTimings2\x8a\x01\n\x03Llm\x12K\n\x08Generate\x12\x1d.vlmesh.v1.LlmGenerateRequest\x1a\x1e.vlmesh.v1.LlmGenerateResponse0\x01\x12\x36\n\x04Info\x12\x16.vlmesh.v1.InfoRequest\x1a\x16.vlmesh.v1.ServiceInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vlmesh.v1.llm_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LLMGENERATEREQUEST']._serialized_start=59
-  _globals['_LLMGENERATEREQUEST']._serialized_end=275
-  _globals['_LLMGENERATERESPONSE']._serialized_start=278
-  _globals['_LLMGENERATERESPONSE']._serialized_end=455
-  _globals['_LLM']._serialized_start=458
-  _globals['_LLM']._serialized_end=596
+  _globals['_LLMGENERATEREQUEST']._serialized_end=302
+  _globals['_LLMGENERATERESPONSE']._serialized_start=305
+  _globals['_LLMGENERATERESPONSE']._serialized_end=482
+  _globals['_LLM']._serialized_start=485
+  _globals['_LLM']._serialized_end=623
 # @@protoc_insertion_point(module_scope)

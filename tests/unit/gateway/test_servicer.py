@@ -446,3 +446,71 @@ def test_overloaded_best_effort_work_of_a_tenant_that_allows_it_is_served_with_f
     assert sent.request_id == "g-2" and sent.sampling.max_tokens == 2 and sent.max_prompt_tokens == 900
     assert llm.generates[0][0].max_prompt_tokens == 900
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "budget" in refused.details()
+
+
+class CachingLlm(FakeLlm):
+    """An llm that reads cached images: it serves content keys alone while `holds`, else refuses them."""
+
+    def __init__(self, holds: bool = True) -> None:
+        super().__init__()
+        self.holds = holds
+
+    async def Info(self, request, context):
+        info = pb.ServiceInfo()
+        info.CopyFrom(INFO)
+        info.reads_cached_images = True
+        return info
+
+    async def Generate(self, request, context):
+        if request.cached_image_keys and not self.holds:
+            self.generates.append((request, dict(context.invocation_metadata())))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "send their features")
+        async for msg in super().Generate(request, context):
+            yield msg
+
+
+def keyed_refs() -> list[pb.TensorRef]:
+    refs = [pb.TensorRef(), pb.TensorRef()]
+    for i, ref in enumerate(refs):
+        ref.CopyFrom(REFS[i])
+        ref.content_key = bytes([i + 1]) * 16
+    return refs
+
+
+def test_pictures_the_llm_has_read_go_as_content_keys_alone_and_come_back_with_features_when_evicted():
+    """services/gateway/image_keys.py: the second request sends no Encode and no features; once the
+    llm no longer holds them, it refuses the keys before any answer, the gateway encodes and sends
+    the features, and the client sees one whole answer each time."""
+    refs = keyed_refs()
+    vision, llm = FakeVision(vision_pb2.EncodeResponse(features=refs, timings=VISION_TIMINGS)), CachingLlm()
+
+    async def main():
+        async with gateway_service(vision, llm) as (stub, _):
+            answers = [await stub.GenerateUnary(request(request_id=f"g-{i}"), timeout=10) for i in range(2)]
+            llm.holds = False
+            answers.append(await stub.GenerateUnary(request(request_id="g-2"), timeout=10))
+            other = request(request_id="g-3", images=[PICTURES[0], pb.Image(data=b"picture-3")])
+            answers.append(await stub.GenerateUnary(other, timeout=10))  # one picture it never read: encoded
+            return answers
+
+    answers = asyncio.run(main())
+    assert [a.text for a in answers] == ["hello!"] * 4
+    assert [e.request_id for e, _ in vision.encodes] == ["g-0", "g-2", "g-3"]
+    sent = [(g.request_id, list(g.cached_image_keys), len(g.image_features)) for g, _ in llm.generates]
+    keys = [r.content_key for r in refs]
+    assert sent == [("g-0", [], 2), ("g-1", keys, 0), ("g-2", keys, 0), ("g-2", [], 2), ("g-3", [], 2)]
+    skipped = answers[1].timings
+    assert skipped.preprocess_ms == skipped.vision_ms == 0 and skipped.prefill_ms == 6  # no vision stage ran
+
+
+def test_an_llm_that_does_not_read_cached_images_always_gets_features():
+    vision = FakeVision(vision_pb2.EncodeResponse(features=keyed_refs(), timings=VISION_TIMINGS))
+    llm = FakeLlm()
+
+    async def main():
+        async with gateway_service(vision, llm) as (stub, _):
+            for i in range(2):
+                await stub.GenerateUnary(request(request_id=f"g-{i}"), timeout=10)
+
+    asyncio.run(main())
+    assert len(vision.encodes) == 2 and all(not g.cached_image_keys for g, _ in llm.generates)

@@ -63,6 +63,7 @@ CUSTOM = {
         max_images=3,
         tenants=str(TENANTS),
         access_log=False,
+        skip_cached_encode=False,
         breaker_failures=2,
         breaker_cooldown_s=0.25,
         degrade_target="10.0.0.3:8",

@@ -34,6 +34,7 @@ def test_part_keys_name_each_leading_part_and_the_prompts_end():
     full = page_keys(ids, [(4, 8, IMG_A)], 64)
     # A full page: its parts every PART positions, longest first; the prompt's last page: up to its end.
     assert [n for n, _ in part_keys(ids, [(4, 8, IMG_A)], 64, 1, full[0])] == [48, 32, 16]
+    assert [n for n, _ in part_keys(ids, [(4, 8, IMG_A)], 64, 0, b"")] == [48, 32, 16, 12]  # and the image's end
     tail = part_keys(ids, [(4, 8, IMG_A)], 64, 2, full[1])
     assert [n for n, _ in tail] == [22, 16] and PART == 16
     # Equal up to position 128 + 20: the parts that end before it are equal, the others are not.

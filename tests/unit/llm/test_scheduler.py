@@ -37,7 +37,8 @@ class FakeRequest:
         self.images: list = []
         self.page_keys = keys or []  # the prefix cache's page keys (none: nothing is shared)
         self.registered = self.cached_tokens = 0
-        self.parts_registered, self.kv_copy = False, None
+        self.parts_registered, self.kv_copy, self.features_cached = False, None, False
+        self.features_end = 0  # image positions end here (0: none)
         self.aborted, self.computed, self.prefill_target = False, 0, 0
         self.in_flight, self.finished_at = 0, 0.0
         self.blocks: list[int] = []
@@ -294,8 +295,29 @@ def computed_first(sched: Scheduler, keys: list[bytes]):
     first = keyed("a", keys)
     sched.add(first)
     run_plan(sched.schedule())
-    sched.computed(first)
+    sched.prefix.computed(first)
     return first
+
+
+def test_a_request_sent_as_content_keys_runs_only_while_the_pool_holds_its_images_and_is_never_preempted():
+    """Request.features_cached (LlmGenerateRequest.cached_image_keys): it has no features to compute
+    its image positions from, so it is refused (Plan.refused) unless the cache holds them all."""
+    sched = scheduler(max_batch=3, pages=16, page_size=4, clock=lambda: 0.0)
+    computed_first(sched, [b"0", b"1", b"2"])
+    held = keyed("b", [b"0", b"1", b"2"], qos=QosLevel.BEST_EFFORT)
+    gone = keyed("c", [b"0", b"X"])  # its image's positions reach into a page the pool does not hold
+    for req in (held, gone):
+        req.features_cached, req.features_end = True, 8
+    sched.add(held)
+    sched.add(gone)
+    assert sched.prefix.holds_images(held) and not sched.prefix.holds_images(gone)
+    plan = sched.schedule()
+    assert plan.refused == [gone] and not gone.running and sched.waiting == 0
+    assert plan.admitted == [held] and plan.prefill[0].start == 8
+    run_plan(plan)
+    rt = keyed("rt", [b"r"], prompt=40, qos=QosLevel.REALTIME)  # needs the pages that `held` holds
+    sched.add(rt)
+    assert sched.schedule().preempted == [] and held.running  # a resume would need its features
 
 
 def test_a_request_starts_after_the_pages_an_earlier_one_computed():
@@ -326,7 +348,7 @@ def test_finishing_and_preemption_drop_holds_and_cached_pages_serve_a_resume():
     be = keyed("be", [b"0", b"1"], prompt=9, qos=QosLevel.BEST_EFFORT)
     sched.add(be)
     run_plan(sched.schedule())
-    sched.computed(be)
+    sched.prefix.computed(be)
     rt = keyed("rt", [b"r0"], prompt=5, qos=QosLevel.REALTIME, t=0.0)
     sched.add(rt)
     plan = sched.schedule()
@@ -346,7 +368,7 @@ def test_finishing_and_preemption_drop_holds_and_cached_pages_serve_a_resume():
 
 def test_switched_off_nothing_is_shared():
     sched = scheduler(max_batch=2, pages=16, page_size=4)
-    sched.prefix_cache = False
+    sched.prefix.enabled = False
     first = FakeRequest("a", QosLevel.STANDARD, 0.0, prompt=12)
     first.page_keys = None  # would be computed, were the cache on
     sched.add(first)
@@ -410,7 +432,7 @@ def test_pages_are_never_shared_while_written_and_all_come_back(ops):
                 assert sched.blocks._refs[r.blocks[r.computed // 4]] == 1
             run_plan(plan)
             for c in plan.prefill:
-                sched.computed(c.req)
+                sched.prefix.computed(c.req)
             for r in list(sched.running):  # a request ends once it has its tokens
                 if len(r.output_ids) >= r.max_new:
                     sched.finish(r)

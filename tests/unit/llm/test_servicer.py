@@ -70,6 +70,7 @@ class FakeEngine:
     """Records jobs and leases; every submission streams `script`; `submit_error` makes submit raise."""
 
     device = torch.device("cpu")
+    reads_cached_images = False
 
     def __init__(self, reads_in_place: bool, script=(), submit_error: Exception | None = None) -> None:
         self._reads_in_place = reads_in_place
