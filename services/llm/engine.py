@@ -234,12 +234,12 @@ class NativeEngine:
             # past them already: the next step, launched, may still be reading them).
             if c.req.leases and c.end >= c.req.features_end and self._leases_hold(c.req, 0):
                 c.req.drop_leases()
-        done = time.perf_counter()
-        completed = [c.req for c in chunks if c.completes]  # the runner's tokens: these, then the decodes
-        for req in completed:
+        done, sampled = time.perf_counter(), [c.req for c in chunks if c.completes] + decodes  # tokens' order
+        for req in sampled:
             if not req.prefill_done_at and req.running:  # a resumed request keeps its first prefill's clock
                 req.prefill_done_at = done
-        self._postprocess(completed + decodes, tokens)
+                self.scheduler.prefix.computed(req)  # a prompt's last position may run as a decode
+        self._postprocess(sampled, tokens)
         if self._trace:
             rows = sum(c.end - c.start for c in chunks)
             device = fetch.device_ms()

@@ -190,7 +190,7 @@ class PackedStep:
         if d:
             first = rows - d
             at = first + np.arange(len(decodes))
-            h["ids"][at] = [0 if r.unseen else r.output_ids[-1] for r in decodes]  # unseen: fed on the device
+            h["ids"][at] = [0 if r.unseen else r.token_at(r.computed) for r in decodes]  # unseen: fed on the device
             h["pos"][at] = [r.computed for r in decodes]
             h["slots"][at] = [pool_slot(r.blocks, r.computed, page) for r in decodes]
             last.extend(at.tolist())

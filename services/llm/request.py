@@ -104,6 +104,11 @@ class Request:
         if leases is not None:
             leases.release()
 
+    def token_at(self, position: int) -> int:
+        """The token id at a position of its sequence (prompt, then generated)."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)

@@ -182,11 +182,11 @@ class ModelRunner:
                 raise RuntimeError("a decode's unseen token is not from the step launched last on its lane")
         fetch, staging = lane.take(), lane.staging
         with lane.on():
-            for c in chunks:  # before any forward of the step, which may write the source page
-                if c.req.kv_copy:
-                    src, n = c.req.kv_copy
-                    self.kv.copy_page(src, c.req.blocks[c.start // self.page_size], n)
-                    c.req.kv_copy = None
+            for r in [c.req for c in chunks] + decodes:  # before any forward of the step (it may write the source)
+                if r.kv_copy:  # a cached part of its next page (services/llm/prefix.py)
+                    src, n = r.kv_copy
+                    self.kv.copy_page(src, r.blocks[r.computed // self.page_size], n)
+                    r.kv_copy = None
             staging.begin()
             packed = bool(chunks) and self.packed is not None and self.packed.stage(chunks, decodes)
             riding = packed and self.packed.decode_rows > 0  # the decodes are rows of the packed forward
@@ -252,7 +252,8 @@ class ModelRunner:
         self._tab[:b] = 0  # padding rows and unused entries point at the null page
         self._ban[:b] = 0
         for i, r in enumerate(reqs):
-            self._tok[i] = 0 if r.unseen else r.output_ids[-1]  # unseen: fed on the device (`launch`)
+            # Its last token, or a prompt's last position (Scheduler._one_left); unseen: fed on the device.
+            self._tok[i] = 0 if r.unseen else r.token_at(r.computed)
             self._pos[i] = r.computed
             self._tab[i, : len(r.blocks)] = r.blocks
             self._ban[i] = r.generated < r.sampling.min_tokens

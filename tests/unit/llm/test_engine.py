@@ -351,7 +351,9 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(parts, mo
         raise RuntimeError("device lost its mind")
 
     monkeypatch.setattr(runner_module, "stage_chunks", broken)
-    failed = [parts.request(8, PROMPTS[0], max_tokens=4) for _ in range(150)]  # more than the staging holds
+    failed = [
+        parts.request(808, PROMPTS[0], max_tokens=4) for _ in range(150)
+    ]  # more than staging holds; a new picture
     parts.run(*failed)
     assert all(box["finish"] is Finish.ERROR for _, box in failed)
     monkeypatch.setattr(runner_module, "stage_chunks", real)

@@ -20,6 +20,7 @@ from services.common.sampling import Sampling
 from services.llm.kv_cache import KvConfig
 from services.llm.packed import row_buckets
 from services.llm.packed_mask import Q_BLOCK
+from services.llm.request import Request
 from services.llm.runner import ModelRunner
 from services.llm.scheduler import Chunk
 from services.model.spec import load_spec
@@ -51,6 +52,8 @@ class Seq:
     @property
     def generated(self) -> int:
         return len(self.output_ids)
+
+    token_at = Request.token_at
 
 
 def runner(spec, packed: bool, budget: int = 400) -> ModelRunner:

@@ -179,5 +179,15 @@ def test_parts_of_a_page_are_copied_and_decode_exactly_as_misses(big_pages):
     common = next(i for i, (a, b) in enumerate(zip(ids[0], ids[2], strict=False)) if a != b)
     assert cached == [0, n - 1, common // PART * PART, image_at // PART * PART]
     assert cached[2] >= image_at + 16  # the picture's positions were copied, not computed again
+    # A repeat beside a new prompt: its last position rides as a decode row in the prompt's step.
+    pairs = [
+        on.request(*jobs[0], max_tokens=10, min_tokens=10),
+        on.request(7, jobs[0][1], max_tokens=10, min_tokens=10),
+    ]
+    on.run(*pairs)
+    assert pairs[0][1]["ids"] == want[0] and pairs[0][0].cached_tokens == n - 1
+    alone = off.request(7, jobs[0][1], max_tokens=10, min_tokens=10)
+    off.run(alone)
+    assert pairs[1][1]["ids"] == alone[1]["ids"]
     pages = on.engine.scheduler.blocks
     assert pages.free == pages.capacity and pages.cached > 0

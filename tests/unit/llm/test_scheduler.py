@@ -38,7 +38,7 @@ class FakeRequest:
         self.page_keys = keys or []  # the prefix cache's page keys (none: nothing is shared)
         self.registered = self.cached_tokens = 0
         self.parts_registered, self.kv_copy, self.features_cached = False, None, False
-        self.features_end = 0  # image positions end here (0: none)
+        self.features_end, self.leases = 0, None  # no image; no features to keep
         self.aborted, self.computed, self.prefill_target = False, 0, 0
         self.in_flight, self.finished_at = 0, 0.0
         self.blocks: list[int] = []
