@@ -133,7 +133,8 @@ def cache_table(runs: list[dict]) -> str:
     if len(lines) == 1:
         return ""
     lines.append(
-        "feat hit: requests whose features came from the vision's cache; at most: requests whose image an "
+        "feat hit: requests that ran no vision stage (features from the vision's cache, or none needed: the "
+        "llm held the image's KV, services/gateway/image_keys.py); at most: requests whose image an "
         "earlier request sent (an unbounded cache's ratio on this sequence); kv hit: requests whose prompt "
         "began with cached KV pages; ttft p50 in ms of feature hits and misses, and their ratio"
     )
