@@ -32,10 +32,16 @@ Prefix cache: at admission the request's leading full prompt pages are looked up
 (services/llm/prefix.py) and the pool's pages shared, then the longest cached leading part of
 its next page, which the runner copies into the request's own page (`Request.kv_copy`); its
 prefill starts after them (always leaving one prompt position to compute). As a prefill
-completes full prompt pages the engine registers them (`PrefixCache.computed`), and the
-parts of the request's pages once its prompt is done, for the requests after it. Preemption and finishing
-drop the request's hold on its pages; cached pages nobody holds are evicted only when the
-pool needs them (services/llm/block_manager.py).
+completes full prompt pages the engine registers them (`PrefixCache.computed`), and the parts
+of the request's pages once its prompt is done, for the requests after it. Preemption and
+finishing drop the request's hold on its pages; cached pages nobody holds are evicted only
+when the pool needs them (services/llm/block_manager.py). A request sent as its images' content
+keys alone (`features_cached`) is admitted only while the pool holds every image position
+(else `Plan.refused`), and never preempted.
+
+A prefill's last position, when it reads no image and no features need keeping (a repeated
+prompt's hit), is planned as a decode row (`_one_left`): a decode step, or a row riding in a
+prompt step, rather than a prompt step of its own.
 
 Preemption: when a realtime request heads the queue and there is no place or no room for
 it, the scheduler takes the place and pages of running best-effort requests that still

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -23,14 +24,14 @@ from services.common.config import DEFAULT_HOST
 from services.common.errors import FeaturesNeeded, InvalidArgument, MeshError, Unavailable
 from services.common.logs import request_context
 from services.common.memory import MemoryGuard, Watermarks
-from services.common.qos import qos_from_metadata
+from services.common.qos import QosLevel, qos_from_metadata
 from services.common.server import INTERNAL_OPTIONS
 from services.common.timings import Timings
 from services.common.tls import aio_channel
 from services.common.validation import check_conversation, check_sampling
 from services.handoff.consumer import Consumer
 from services.handoff.wire import CONTENT_KEY_BYTES, transport_name
-from services.llm.interface import Engine, Job
+from services.llm.interface import Engine, Job, Submission
 from services.llm.request import Finish, Output, Request
 from services.model.spec import LlavaSpec
 from vlmesh.v1 import common_pb2 as pb
@@ -112,7 +113,9 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             async for msg in msgs:
                 yield msg
 
-    async def _from_cache(self, request: llm_pb2.LlmGenerateRequest, qos):
+    async def _from_cache(
+        self, request: llm_pb2.LlmGenerateRequest, qos: QosLevel
+    ) -> AsyncIterator[llm_pb2.LlmGenerateResponse]:
         """A request sent with its images' content keys alone: served from the prefix cache, reading
         no features, or FAILED_PRECONDITION (FeaturesNeeded) before any work."""
         keys = list(request.cached_image_keys)
@@ -132,7 +135,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             async for msg in msgs:
                 yield msg
 
-    async def _relay(self, sub, handoff_s: float):
+    async def _relay(self, sub: Submission, handoff_s: float) -> AsyncIterator[llm_pb2.LlmGenerateResponse]:
         """The engine's outputs as responses; the last carries usage and timings."""
         async with contextlib.aclosing(sub.outputs()) as outputs:  # closing it aborts an unfinished request
             async for out in outputs:

@@ -97,6 +97,18 @@ def test_a_key_held_by_another_page_stays_with_it():
 # --- the engine: a hit decodes exactly as a miss (CPU, fp32) ---
 
 
+def one_at_a_time(parts, jobs):
+    """Each (picture seed, prompt) alone, in order, so that each finds what those before it computed:
+    the tokens of each, and its Request."""
+    got, reqs = [], []
+    for seed, prompt in jobs:
+        req, box = parts.request(seed, prompt, max_tokens=10, min_tokens=10)
+        parts.run((req, box))
+        got.append(box["ids"])
+        reqs.append(req)
+    return got, reqs
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_model):
     on = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(kv_page_size=4))
@@ -109,19 +121,10 @@ def engines(tiny_model):
 def test_hits_decode_exactly_as_misses_and_different_images_share_nothing(engines):
     on, off = engines
     jobs = [(0, PROMPTS[0]), (0, PROMPTS[0]), (0, PROMPTS[1]), (1, PROMPTS[0]), (0, PROMPTS[0])]
-    got, cached = [], []
-    for seed, prompt in jobs:  # one at a time: each finds what the ones before it computed
-        req, box = on.request(seed, prompt, max_tokens=10, min_tokens=10)
-        on.run((req, box))
-        got.append(box["ids"])
-        cached.append(req.cached_tokens)
-    want = []
-    for seed, prompt in jobs:
-        req, box = off.request(seed, prompt, max_tokens=10, min_tokens=10)
-        off.run((req, box))
-        want.append(box["ids"])
-        assert req.cached_tokens == 0
-    assert got == want
+    got, reqs = one_at_a_time(on, jobs)
+    want, uncached = one_at_a_time(off, jobs)
+    assert got == want and all(r.cached_tokens == 0 for r in uncached)
+    cached = [r.cached_tokens for r in reqs]
     req0, _ = on.request(0, PROMPTS[0])
     n, image_at = req0.prompt_len, req0.image_positions[0]
     assert cached[0] == 0
@@ -160,19 +163,10 @@ def test_parts_of_a_page_are_copied_and_decode_exactly_as_misses(big_pages):
     on, off = big_pages
     ask = "Look at the picture closely and tell me, in a few words, what "
     jobs = [(0, ask + "shape it is."), (0, ask + "shape it is."), (0, ask + "color it is."), (1, ask + "shape it is.")]
-    got, cached, ids = [], [], []
-    for seed, prompt in jobs:  # one at a time: each finds what the ones before it computed
-        req, box = on.request(seed, prompt, max_tokens=10, min_tokens=10)
-        on.run((req, box))
-        got.append(box["ids"])
-        cached.append(req.cached_tokens)
-        ids.append(req.prompt_ids)
-    want = []
-    for seed, prompt in jobs:
-        req, box = off.request(seed, prompt, max_tokens=10, min_tokens=10)
-        off.run((req, box))
-        want.append(box["ids"])
+    got, reqs = one_at_a_time(on, jobs)
+    want, _ = one_at_a_time(off, jobs)
     assert got == want
+    cached, ids = [r.cached_tokens for r in reqs], [r.prompt_ids for r in reqs]
     req0, _ = on.request(*jobs[0])
     n, image_at = req0.prompt_len, req0.image_positions[0]
     assert image_at > 0
