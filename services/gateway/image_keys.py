@@ -67,7 +67,7 @@ class ImageKeys:
             self._keys.popitem(last=False)
 
     def forget(self, worker: str, digests: list[bytes]) -> None:
-        """The llm no longer holds these images' positions."""
+        """The llm no longer holds these images' positions (counted as a fallback)."""
         for d in digests:
             self._keys.pop((worker, d), None)
         metrics.VISION_SKIPS.labels("fallback").inc()
