@@ -106,9 +106,7 @@ class PrefixCache:
         page, part = len(shared), None
         left = req.prompt_len - 1 - page * size
         if left >= 1 and page <= len(req.page_keys):  # else the chain ended before this page
-            found = self.blocks.find(
-                part_keys(req.prompt_ids, req.images, size, page, req.page_keys[page - 1] if page else b"")
-            )
+            found = self.blocks.find(self._parts(req, page))
             part = (found[0], min(found[1], left)) if found else None
         return shared, part, page * size + (part[1] if part else 0)
 
@@ -131,5 +129,12 @@ class PrefixCache:
             return
         req.parts_registered = True
         for i in range(req.cached_tokens // size, min(self.blocks.pages_for(req.prompt_len), len(keys) + 1)):
-            prev = keys[i - 1] if i else b""
-            self.blocks.register(req.blocks[i], [k for _, k in part_keys(req.prompt_ids, req.images, size, i, prev)])
+            self.blocks.register(req.blocks[i], [k for _, k in self._parts(req, i)])
+
+    def _parts(self, req: Request, page: int) -> list[tuple[int, bytes]]:
+        """`part_keys` of one of the request's prompt pages, kept on it: a waiting request is looked up
+        at every plan, and a registration wants the keys its admission computed."""
+        if page not in req.part_keys:
+            prev = req.page_keys[page - 1] if page else b""
+            req.part_keys[page] = part_keys(req.prompt_ids, req.images, self.blocks.page_size, page, prev)
+        return req.part_keys[page]

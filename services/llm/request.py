@@ -70,6 +70,7 @@ class Request:
     # how many of its pages are registered in the pool, whether its pages' parts are, and the
     # prompt positions its first admission found cached (usage.cached_tokens).
     page_keys: list[bytes] | None = None
+    part_keys: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)  # by page (PrefixCache._parts)
     registered: int = 0
     parts_registered: bool = False
     cached_tokens: int = 0

@@ -36,6 +36,7 @@ class FakeRequest:
         self.prompt_ids, self.max_new = [token] * prompt, max_new
         self.images: list = []
         self.page_keys = keys or []  # the prefix cache's page keys (none: nothing is shared)
+        self.part_keys: dict = {}
         self.registered = self.cached_tokens = 0
         self.parts_registered, self.kv_copy, self.features_cached = False, None, False
         self.features_end, self.leases = 0, None  # no image; no features to keep
