@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from services.llm.request import Request
 
 KEY_BYTES = 16
-PART = 16  # a page's leading parts are keyed every PART positions (and at the prompt's end)
+PART = 16  # a page's leading parts are keyed every PART positions (and where the prompt or an image ends)
 
 Images = Sequence[tuple[int, int, bytes]]  # (first position, positions, content key) of each image
 

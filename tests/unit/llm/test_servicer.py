@@ -411,3 +411,31 @@ def test_info_names_the_model_and_what_it_opens(spec):
     assert info.max_context == spec.text.max_context
     assert info.image_tokens == spec.image_tokens
     assert info.default_max_tokens == 32
+
+
+def test_content_keys_alone_are_checked_and_an_llm_without_the_cache_asks_for_features(spec, producer):
+    """LlmGenerateRequest.cached_image_keys: keys and features together, or a key of the wrong size,
+    are INVALID_ARGUMENT; an engine that reads no cached images answers FAILED_PRECONDITION (the
+    gateway then sends the features), and reads nothing, submits nothing."""
+    engine = FakeEngine(False)
+    key = b"k" * 16
+
+    async def main():
+        async with llm_service(spec, engine, FakeVision()) as (stub, _):
+            codes = []
+            both = generate_request(shm_refs(producer, features(spec, 1)))
+            both.cached_image_keys.append(key)
+            for req in (
+                both,
+                llm_pb2.LlmGenerateRequest(request_id="r", prompt="Hi", cached_image_keys=[b"short"]),
+                llm_pb2.LlmGenerateRequest(request_id="r", prompt="Hi", cached_image_keys=[key], sampling=SAMPLING),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await read_rest(stub.Generate(req, timeout=5))
+                codes.append(err.value.code())
+            return codes
+
+    codes = asyncio.run(main())
+    invalid, refused = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+    assert codes == [invalid, invalid, refused]
+    assert engine.jobs == []
