@@ -9,10 +9,17 @@ each service's memory (RSS, and the private part: RSS minus pages shared with ot
 such as the feature arenas), open file descriptors and threads, and the shared-memory segments
 on the host.
 
+On a GPU (`--device cuda`) each sample also holds each service's GPU memory: its PyTorch
+allocator's reserved and allocated bytes, read from its /metrics (`vlmesh_gpu_memory_bytes`),
+and the device's memory in use as nvidia-smi reports it. Flags after `--` go to the mesh as
+`vlmesh up` takes them:
+
+    python -m bench.soak --model preset:llava-7b-shaped --device cuda --duration 600 -- --max-llm-batch 32
+
 It reports lost requests (sent - answered - refused with a status: must be 0), the statuses,
 e2e percentiles per class, and each service's memory growth after `--warmup` (`growth_of`). It
-exits 1 when a request was lost or a service's private memory grew by more than `--max-growth`
-(a share: 0.01 is 1%).
+exits 1 when a request was lost, or a service's private memory or reserved GPU memory grew by
+more than `--max-growth` (a share: 0.01 is 1%).
 """
 
 from __future__ import annotations
@@ -22,14 +29,18 @@ import asyncio
 import json
 import os
 import random
+import shutil
+import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import grpc
 import numpy as np
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.launcher import Mesh, MeshOptions
 from services.model.shapes import PROMPTS, encode, render
@@ -95,7 +106,30 @@ async def capacity(load: Load, concurrency: int, seconds: float) -> float:
     return done / (time.monotonic() - start)
 
 
-def sample(procs: dict[str, psutil.Process], t0: float) -> dict:
+def gpu_memory(url: str) -> dict[str, float]:
+    """A service's allocator on its GPU, from its /metrics: {"gpu_reserved_mib", "gpu_allocated_mib"}."""
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        text = answer.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "vlmesh_gpu_memory_bytes":
+            for s in family.samples:
+                out[f"gpu_{s.labels['kind']}_mib"] = round(s.value / 2**20, 2)
+    return out
+
+
+def device_used_mib() -> float | None:
+    """The GPU's memory in use by every process, as nvidia-smi reports it (None without it)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "--id=0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    return float(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def sample(procs: dict[str, psutil.Process], t0: float, metrics: dict[str, str]) -> dict:
+    """Each service's memory, descriptors and threads, and the host's shared-memory segments; `metrics`:
+    the /metrics URL of each service on a GPU."""
     row: dict = {"t_s": round(time.monotonic() - t0, 1), "shm_segments": len(os.listdir("/dev/shm"))}
     for name, p in procs.items():
         mem = p.memory_info()
@@ -105,6 +139,10 @@ def sample(procs: dict[str, psutil.Process], t0: float) -> dict:
             "fds": p.num_fds(),
             "threads": p.num_threads(),
         }
+        if name in metrics:
+            row[name] |= gpu_memory(metrics[name])
+    if metrics:
+        row["device_used_mib"] = device_used_mib()
     return row
 
 
@@ -113,18 +151,27 @@ def growth_of(rows: list[dict]) -> dict:
     the first third. Peaks, not single samples: the allocators' caches make a steady process's
     memory swing by a few MiB from sample to sample, while a leak raises the peak steadily. RSS
     also counts the feature arenas' shared pages, which fill up to --feature-cache-mib by design;
-    `private` leaves them out."""
+    `private` leaves them out. On a GPU, `gpu_reserved` too: what the allocator holds of the device."""
     third = max(1, len(rows) // 3)
     first, last = rows[:third], rows[-third:]
 
     def peak(window: list[dict], key: str) -> float:
         return max(r[key] for r in window)
 
-    return {
+    growth = {
         "rss": round(peak(last, "rss_mib") / peak(first, "rss_mib") - 1, 4),
         "private": round(peak(last, "private_mib") / peak(first, "private_mib") - 1, 4),
         "fds": max(r["fds"] for r in last) - max(r["fds"] for r in first),
     }
+    if all("gpu_reserved_mib" in r for r in rows) and peak(first, "gpu_reserved_mib") > 0:
+        growth["gpu_reserved"] = round(peak(last, "gpu_reserved_mib") / peak(first, "gpu_reserved_mib") - 1, 4)
+    return growth
+
+
+def device_span(samples: list[dict], warmup: float) -> dict | None:
+    """The device's memory in use after warm-up: its lowest and highest sample (None off a GPU)."""
+    used = [s["device_used_mib"] for s in samples if s["t_s"] >= warmup and s.get("device_used_mib") is not None]
+    return {"min": min(used), "max": max(used)} if used else None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -134,13 +181,16 @@ def percentile(values: list[float], q: float) -> float | None:
 async def soak(mesh: Mesh, args) -> dict:
     load = Load(mesh.target("gateway"), args.max_tokens)
     procs = {c.name: psutil.Process(c.proc.pid) for c in mesh.children}
+    metrics = {}
+    if args.device.startswith("cuda"):
+        metrics = {n: f"http://127.0.0.1:{p}/metrics" for n, p in mesh.metrics_ports.items() if n != "gateway"}
     cap = await capacity(load, args.concurrency, args.probe_s)
     rate = args.load * cap
     print(f"soak: capacity {cap:.1f} req/s; offering {rate:.1f} req/s for {args.duration:g} s", file=sys.stderr)
     rng = random.Random(SEED)
     weights = [float(x) for x in args.mix.split(",")]
     t0 = time.monotonic()
-    samples = [sample(procs, t0)]
+    samples = [sample(procs, t0, metrics)]
     next_sample, i, at = t0 + args.sample_s, 0, t0
     while at < t0 + args.duration:
         at += rng.expovariate(rate)
@@ -148,12 +198,12 @@ async def soak(mesh: Mesh, args) -> dict:
         load.launch(i, rng.choices(CLASSES, weights)[0])
         i += 1
         if time.monotonic() >= next_sample:
-            samples.append(sample(procs, t0))
+            samples.append(sample(procs, t0, metrics))
             next_sample += args.sample_s
     # Drain: every request sent must end, with an answer or a status, within its deadline.
     if load.pending:
         await asyncio.wait(set(load.pending), timeout=90)
-    samples.append(sample(procs, t0))
+    samples.append(sample(procs, t0, metrics))
     await load.channel.close()
     answered = load.statuses["OK"]
     refused = sum(n for code, n in load.statuses.items() if code != "OK")
@@ -169,12 +219,17 @@ async def soak(mesh: Mesh, args) -> dict:
         "e2e_ms": {c: {"p50": percentile(v, 50), "p99": percentile(v, 99), "n": len(v)} for c, v in load.e2e.items()},
         "growth_after_warmup": growth,
         "shm_segments": {"start": samples[0]["shm_segments"], "end": samples[-1]["shm_segments"]},
+        "device_used_mib": device_span(samples, args.warmup),
         "samples": samples,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.soak [flags] [-- mesh flags]",
+        description=__doc__.split("\n\n")[0],
+        epilog="Flags after -- go to the mesh as `vlmesh up` takes them, e.g. -- --max-llm-batch 32 --cuda-mps.",
+    )
     p.add_argument("--model", default="models/demo")
     p.add_argument("--duration", type=float, default=120.0, help="seconds of load (default %(default)s)")
     p.add_argument("--warmup", type=float, default=20.0, help="seconds before memory is compared (default %(default)s)")
@@ -184,12 +239,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-s", type=float, default=10.0, help="the capacity probe's length (default %(default)s)")
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--max-growth", type=float, default=0.01, help="private memory growth allowed (default 1%%)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--max-growth", type=float, default=0.01, help="private (and reserved GPU) memory growth allowed (default 1%%)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: GPU memory is sampled too (default %(default)s)")
     p.add_argument("--out", type=Path, default=None, help="write the figures and samples as JSON here")
-    args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = p.parse_args(argv[:cut])
+    metrics_ports = (0, 0, 0) if args.device.startswith("cuda") else (-1, -1, -1)  # GPU memory comes from /metrics
     opts = MeshOptions.from_flags(
-        model=args.model, device=args.device, gateway_port=0, vision_port=0, llm_port=0, metrics_ports=(-1, -1, -1)
+        argv[cut + 1 :],
+        model=args.model,
+        device=args.device,
+        gateway_port=0,
+        vision_port=0,
+        llm_port=0,
+        metrics_ports=metrics_ports,
     )
     with Mesh(opts) as mesh:
         mesh.start(progress=lambda m: print(f"soak: {m}", file=sys.stderr, flush=True))
@@ -198,10 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=1))
     if args.out:
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, **result}, indent=1))
-    worst = max(g["private"] for g in result["growth_after_warmup"].values())
+    worst = max(max(g["private"], g.get("gpu_reserved", 0.0)) for g in result["growth_after_warmup"].values())
     ok = result["lost"] == 0 and worst <= args.max_growth
     if not ok:
-        print(f"soak: FAILED (lost {result['lost']}, worst private growth {worst:.2%})", file=sys.stderr)
+        print(f"soak: FAILED (lost {result['lost']}, worst memory growth {worst:.2%})", file=sys.stderr)
     return 0 if ok else 1
 
 
