@@ -11,6 +11,8 @@ import logging
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from services.common.qos import QosLevel
+
 log = logging.getLogger(__name__)
 
 # Latency buckets from 1 ms to 60 s; per-token buckets from 0.1 ms to 1 s.
@@ -95,6 +97,10 @@ PREFIX_TOKENS = Counter(
     "Prompt positions at admission: hit (their KV came from the prefix cache) or miss (computed)",
     ["result"],
 )
+PREFIX_FIRST_TOKENS = Counter(
+    "vlmesh_prefix_first_tokens_total",
+    "Greedy prompts whose first token the prefix cache held with their whole prompt: no forward before their decode",
+)
 GPU_MEMORY_RATIO = Gauge(
     "vlmesh_gpu_memory_used_ratio", "Share of the GPU's memory in use, by every process on it", ["service"]
 )
@@ -114,6 +120,18 @@ def start_metrics_server(port: int, host: str) -> int:
     bound = server.server_address[1]
     log.info("metrics on http://%s:%d/metrics", host, bound)
     return bound
+
+
+def watch_scheduler(sched) -> None:
+    """The llm scheduler's batch places, KV pages and queue, read on each scrape (services/llm/scheduler.py)."""
+    pages = sched.blocks
+    KV_SLOTS.labels("used").set_function(lambda: len(sched.running))
+    KV_SLOTS.labels("free").set_function(lambda: sched.free_places)
+    KV_PAGES.labels("used").set_function(lambda: pages.capacity - pages.free)
+    KV_PAGES.labels("free").set_function(lambda: pages.free)
+    KV_PAGES.labels("cached").set_function(lambda: pages.cached)
+    for q in QosLevel:
+        QUEUE_DEPTH.labels("llm", q.wire).set_function(lambda q=q: sched.waiting_by_qos[q])
 
 
 def watch_gpu_memory(service: str, device) -> None:

@@ -14,6 +14,10 @@ match shares those pages (read only: it starts its prefill after them), and one 
 matches part of a page copies that part into a page of its own. A registered page that
 nobody holds stays cached, and counts as free: `allocate` takes truly free pages first, then
 evicts cached ones (with all their keys), least recently released first.
+
+The key of a whole prompt (its last page's, or the part where it ends) may also hold that
+prompt's greedy first token (`note_first`), which goes with the key: a repeat of the prompt
+needs no forward before its first decode (services/llm/prefix.py).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class BlockManager:
         self._page_of: dict[bytes, int] = {}  # key (a page's, or a part's) -> the page that holds it
         self._keys_of: dict[int, list[bytes]] = {}  # page -> the keys it holds
         self._cached: OrderedDict[int, None] = OrderedDict()  # registered, held by nobody; LRU first
+        # A whole prompt's key -> its greedy first token, by whether EOS was banned (min_tokens > 0).
+        self._first: dict[bytes, dict[bool, int]] = {}
         self.evictions = 0
 
     @property
@@ -98,6 +104,7 @@ class BlockManager:
             page, _ = self._cached.popitem(last=False)
             for key in self._keys_of.pop(page):
                 del self._page_of[key]
+                self._first.pop(key, None)
             self.evictions += 1
             taken.append(page)
         for p in taken:
@@ -115,6 +122,17 @@ class BlockManager:
             if key not in self._page_of:
                 self._page_of[key] = page
                 self._keys_of.setdefault(page, []).append(key)
+
+    def note_first(self, key: bytes, eos_banned: bool, token: int) -> None:
+        """The greedy first token of the whole prompt that `key` names, if the pool holds the key (the
+        first one noted stays: a step's batch may move a near tie)."""
+        if key in self._page_of:
+            self._first.setdefault(key, {}).setdefault(eos_banned, token)
+
+    def first_token(self, key: bytes, eos_banned: bool) -> int | None:
+        """What `note_first` noted for this key and EOS ban, or None."""
+        first = self._first.get(key)
+        return None if first is None else first.get(eos_banned)
 
     def release(self, pages: Sequence[int]) -> None:
         """Drop one holder of each page (a finished, aborted or preempted sequence's)."""

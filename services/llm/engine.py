@@ -25,7 +25,7 @@ import threading
 import time
 
 from services.common.errors import FeaturesNeeded, MeshError
-from services.common.metrics import BATCH_SIZE, KV_PAGES, KV_SLOTS, PREEMPTIONS, PREFIX_TOKENS, QUEUE_DEPTH
+from services.common.metrics import BATCH_SIZE, PREEMPTIONS, PREFIX_FIRST_TOKENS, PREFIX_TOKENS, watch_scheduler
 from services.common.qos import QosLevel
 from services.llm.block_manager import BlockManager
 from services.llm.interface import EngineStats, Job, Leases
@@ -79,15 +79,7 @@ class NativeEngine:
             for lane in runner.lanes.values():
                 for fetch in lane.fetches:
                     fetch.timed = True  # each step's device span, for the trace
-        sched = self.scheduler
-        KV_SLOTS.labels("used").set_function(lambda: len(sched.running))
-        KV_SLOTS.labels("free").set_function(lambda: sched.free_places)
-        KV_PAGES.labels("used").set_function(lambda: pages.capacity - pages.free)
-        KV_PAGES.labels("free").set_function(lambda: pages.free)
-        KV_PAGES.labels("cached").set_function(lambda: pages.cached)
-        waiting = self.scheduler.waiting_by_qos
-        for q in QosLevel:
-            QUEUE_DEPTH.labels("llm", q.wire).set_function(lambda q=q: waiting[q])
+        watch_scheduler(self.scheduler)
 
     # ---- called from any thread ----
     def start(self) -> None:
@@ -210,6 +202,10 @@ class NativeEngine:
                 req.copy_features = req.leases is not None and req.qos is QosLevel.BEST_EFFORT
                 PREFIX_TOKENS.labels("hit").inc(req.cached_tokens)
                 PREFIX_TOKENS.labels("miss").inc(req.prompt_len - req.cached_tokens)
+        for req, token in plan.answered:  # a greedy repeat: its first token from the prefix cache
+            req.prefill_done_at = now
+            PREFIX_FIRST_TOKENS.inc()
+            self._postprocess([req], [token])
         chunks = [c for c in plan.prefill if self._leases_hold(c.req, c.start)]  # not reclaimed while it waited
         decodes = [r for r in plan.decode if r.running]
         if not chunks and not decodes:
@@ -235,10 +231,11 @@ class NativeEngine:
             if c.req.leases and c.end >= c.req.features_end and self._leases_hold(c.req, 0):
                 c.req.drop_leases()
         done, sampled = time.perf_counter(), [c.req for c in chunks if c.completes] + decodes  # tokens' order
-        for req in sampled:
+        for req, token in zip(sampled, tokens, strict=True):
             if not req.prefill_done_at and req.running:  # a resumed request keeps its first prefill's clock
                 req.prefill_done_at = done
                 self.scheduler.prefix.computed(req)  # a prompt's last position may run as a decode
+                self.scheduler.prefix.answered(req, token)  # for a greedy repeat of its prompt
         self._postprocess(sampled, tokens)
         if self._trace:
             rows = sum(c.end - c.start for c in chunks)

@@ -18,6 +18,13 @@ prompt would recompute up to 127 of them.
 
 A page that reads an image without a content key (its producer computes none) ends the
 chain: what follows cannot be told apart from another image's.
+
+The key of a whole prompt also keeps the prompt's greedy first token (`answered`), as long as
+the pool keeps the key. A greedy repeat of the whole prompt then computes nothing before its
+first decode: its first token comes at admission, without a forward (`first_token`). On the
+H200 that forward, one decode row, costs 4.3 ms of a repeat's 11.5 ms (docs/PERF.md). The token
+is a function of the prompt (what the key names) and of whether min_tokens bans EOS, not of the
+page. A sampled request computes its last position, and samples it with its own generator.
 """
 
 from __future__ import annotations
@@ -91,20 +98,20 @@ class PrefixCache:
     def __init__(self, blocks: BlockManager, enabled: bool = True) -> None:
         self.blocks, self.enabled = blocks, enabled
 
-    def lookup(self, req: Request) -> tuple[list[int], tuple[int, int] | None, int]:
+    def lookup(self, req: Request, whole: bool = False) -> tuple[list[int], tuple[int, int] | None, int]:
         """The pool's pages of the request's leading prompt pages; (page, positions) of the longest
         cached leading part of its next page, or None; and where its prefill starts after them. At
-        least one prompt position is left to compute (its logits give the first token).
+        least one prompt position is left to compute (its logits give the first token), unless
+        `whole` (its first token is known: `first_token`).
 
         It changes nothing but the request's own keys: a peek from another thread is safe."""
         if not self.enabled:
             return [], None, 0
         size = self.blocks.page_size
-        if req.page_keys is None:
-            req.page_keys = page_keys(req.prompt_ids, req.images, size)
-        shared = self.blocks.lookup(req.page_keys[: (req.prompt_len - 1) // size])
+        end = req.prompt_len if whole else req.prompt_len - 1  # the positions the pool may give
+        shared = self.blocks.lookup(self._keys(req)[: end // size])
         page, part = len(shared), None
-        left = req.prompt_len - 1 - page * size
+        left = end - page * size
         if left >= 1 and page <= len(req.page_keys):  # else the chain ended before this page
             found = self.blocks.find(self._parts(req, page))
             part = (found[0], min(found[1], left)) if found else None
@@ -130,6 +137,41 @@ class PrefixCache:
         req.parts_registered = True
         for i in range(req.cached_tokens // size, min(self.blocks.pages_for(req.prompt_len), len(keys) + 1)):
             self.blocks.register(req.blocks[i], [k for _, k in self._parts(req, i)])
+
+    def first_token(self, req: Request) -> int | None:
+        """The first token of a greedy request's whole prompt, if the pool holds its key and one."""
+        key = self._whole_key(req) if self._greedy_prompt(req) else None
+        return None if key is None else self.blocks.first_token(key, req.sampling.min_tokens > 0)
+
+    def answered(self, req: Request, token: int) -> None:
+        """Keep a prompt's first token with the key of the whole prompt, once `computed` registered it:
+        a greedy one only (a sampled token is one draw of many)."""
+        key = self._whole_key(req) if self._greedy_prompt(req) else None
+        if key is not None:
+            self.blocks.note_first(key, req.sampling.min_tokens > 0, token)
+
+    def _greedy_prompt(self, req: Request) -> bool:
+        """Whether the request's next token is its first, drawn greedily (and the cache is on)."""
+        return self.enabled and not req.output_ids and req.sampling.greedy
+
+    def _whole_key(self, req: Request) -> bytes | None:
+        """The key of all of the prompt's positions: its last page's, when the prompt fills it, else its
+        last page's part where the prompt ends; None when the chain ends before (a keyless image)."""
+        keys, size = self._keys(req), self.blocks.page_size
+        last = (req.prompt_len - 1) // size
+        n = req.prompt_len - last * size  # the prompt's positions in its last page
+        if n == size:
+            return keys[last] if last < len(keys) else None
+        if last > len(keys):
+            return None
+        parts = self._parts(req, last)
+        return parts[0][1] if parts and parts[0][0] == n else None
+
+    def _keys(self, req: Request) -> list[bytes]:
+        """The request's page keys, computed once."""
+        if req.page_keys is None:
+            req.page_keys = page_keys(req.prompt_ids, req.images, self.blocks.page_size)
+        return req.page_keys
 
     def _parts(self, req: Request, page: int) -> list[tuple[int, bytes]]:
         """`part_keys` of one of the request's prompt pages, kept on it: a waiting request is looked up

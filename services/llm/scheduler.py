@@ -39,9 +39,12 @@ when the pool needs them (services/llm/block_manager.py). A request sent as its 
 keys alone (`features_cached`) is admitted only while the pool holds every image position
 (else `Plan.refused`), and never preempted.
 
-A prefill's last position, when it reads no image and no features need keeping (a repeated
-prompt's hit), is planned as a decode row (`_one_left`): a decode step, or a row riding in a
-prompt step, rather than a prompt step of its own.
+A greedy repeat of a whole prompt whose first token the pool keeps (and whose features need no
+keeping) is admitted with all of its prompt cached and that token (`Plan.answered`), and planned as
+a decode at once. Otherwise a prefill's last position, when it reads no image and no features need
+keeping (a sampled repeat), is planned as a decode row (`_one_left`): a decode step, or a row
+riding in a prompt step, rather than a prompt step of its own. Both only where the plan has
+decodes (not a `--lanes split` prefill plan).
 
 Preemption: when a realtime request heads the queue and there is no place or no room for
 it, the scheduler takes the place and pages of running best-effort requests that still
@@ -90,11 +93,14 @@ class Plan:
     # Sent as content keys alone, and the pool no longer holds their images' KV: the engine
     # answers them FeaturesNeeded (the caller sends the features).
     refused: list[Request] = field(default_factory=list)
+    # Admitted with their whole prompt cached and its first token (the prefix cache's): the engine
+    # hands the token out before the step; those with more to generate are in `decode`.
+    answered: list[tuple[Request, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         """Nothing to run, and nobody to answer."""
-        return not self.prefill and not self.decode and not self.refused
+        return not self.prefill and not self.decode and not self.refused and not self.answered
 
 
 class Scheduler:
@@ -186,7 +192,11 @@ class Scheduler:
                 continue
             if any(req is v for v in plan.preempted):  # the rest of the queue was admitted before it
                 return budget
-            shared, part, start = self.prefix.lookup(req)
+            # Its features are read in place (leases) only while a prefill reads them: it computes.
+            first = None if decoding is None or req.leases else self.prefix.first_token(req)
+            shared, part, start = self.prefix.lookup(req, whole=first is not None)
+            if start < req.prompt_len:  # a page before the prompt's end was evicted: it computes
+                first = None
             if plan.prefill and req.seq_len - start > budget:  # whole, or not yet
                 return budget
             if req.features_cached and start < req.features_end:  # evicted while it waited
@@ -213,6 +223,11 @@ class Scheduler:
             req.prefill_target = req.seq_len
             self.running.append(req)
             plan.admitted.append(req)
+            if first is not None:
+                plan.answered.append((req, first))
+                if req.max_new > 1:  # else the first token ends it
+                    decoding.append(req)
+                continue
             if decoding is not None and self._one_left(req):
                 decoding.append(req)
                 continue

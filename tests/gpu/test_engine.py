@@ -77,16 +77,19 @@ def test_greedy_tokens_equal_transformers_fp32(fp32_parts, cut_preset):
 
 
 def test_prefix_cache_hits_give_the_tokens_of_a_miss_fp32(fp32_parts, cut_preset):
-    """A repeated prompt (its full pages shared, all of its last page but one position copied) and
+    """A repeated prompt (its full pages shared, its last page's part copied, its first token kept) and
     another question about the same picture (the leading part they share copied, the picture's
-    positions with it) decode as transformers does without a cache."""
+    positions with it) decode as transformers does without a cache; and so does a sampled repeat
+    (top_p 1e-6 keeps the argmax alone), which computes its prompt's last position as a decode row."""
     model = hf_model(cut_preset, torch.float32)
     data = image_bytes(300)
     ask = "Look at the picture closely and tell me, in a few words, what "
     cases = [(data, ask + "shape it is."), (data, ask + "shape it is."), (data, ask + "color it is.")]
+    cases.append(cases[0])
     got, reqs = [], []
-    for case in cases:  # one at a time: each finds what the ones before it computed
-        req, box = fp32_parts.request(*case, max_tokens=TOKENS, min_tokens=TOKENS)
+    for i, case in enumerate(cases):  # one at a time: each finds what the ones before it computed
+        sampled = {"temperature": 1.0, "top_p": 1e-6, "seed": 1} if i == 3 else {}
+        req, box = fp32_parts.request(*case, max_tokens=TOKENS, min_tokens=TOKENS, **sampled)
         fp32_parts.run((req, box))
         got.append(box["ids"])
         reqs.append(req)
@@ -95,8 +98,9 @@ def test_prefix_cache_hits_give_the_tokens_of_a_miss_fp32(fp32_parts, cut_preset
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
         assert ids == out[0, inputs["input_ids"].shape[1] :].tolist(), f"{prompt!r}: the engine differs"
-    first, again, other = reqs
-    assert first.cached_tokens == 0 and again.cached_tokens == again.prompt_len - 1
+    first, again, other, drawn = reqs
+    assert first.cached_tokens == 0 and again.cached_tokens == again.prompt_len
+    assert drawn.cached_tokens == drawn.prompt_len - 1
     assert first.prompt_len % fp32_parts.engine.runner.page_size > 1  # the last page's part was copied
     assert other.cached_tokens >= other.image_positions[0] + other.image_tokens  # no image position recomputed
     assert_idle(fp32_parts)
@@ -106,7 +110,7 @@ def test_packed_prefill_equals_the_per_chunk_prefill_fp32(fp32_parts, cut_preset
     """The packed step, graph-captured (the default on CUDA), against `--prefill chunks`: decodes
     riding in prefill steps, repeated pictures sharing pages. A picture asked about again with
     another question continues from the cached part that ends with it (a flex step); the same
-    question again runs its last position as a decode row (services/llm/scheduler.py)."""
+    question again takes its first token from the cache and decodes (services/llm/scheduler.py)."""
     from services.llm.config import NativeEngineConfig
 
     assert fp32_parts.engine.runner.packed is not None

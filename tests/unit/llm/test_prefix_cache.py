@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client import REGISTRY
 
 from services.llm.block_manager import BlockManager
 from services.llm.config import NativeEngineConfig
@@ -94,7 +95,28 @@ def test_a_key_held_by_another_page_stays_with_it():
     assert bm.free == 2 and bm.cached == 1  # b went back to the free list, uncached
 
 
+def test_a_first_token_is_kept_per_eos_ban_while_its_key_is_and_goes_with_it():
+    bm = BlockManager(n_pages=3, page_size=4)  # 2 usable
+    (a,) = bm.allocate(1)
+    bm.note_first(b"k", False, 7)  # a key the pool does not hold: nothing kept
+    assert bm.first_token(b"k", False) is None
+    bm.register(a, [b"k"])
+    bm.note_first(b"k", False, 7)
+    bm.note_first(b"k", False, 8)  # the first one noted stays
+    assert bm.first_token(b"k", False) == 7 and bm.first_token(b"k", True) is None
+    bm.note_first(b"k", True, 9)
+    assert bm.first_token(b"k", True) == 9
+    bm.release([a])
+    assert bm.first_token(b"k", False) == 7  # cached, not evicted
+    bm.allocate(2)  # evicts it
+    assert bm.first_token(b"k", False) is None and bm.first_token(b"k", True) is None
+
+
 # --- the engine: a hit decodes exactly as a miss (CPU, fp32) ---
+
+
+def first_tokens() -> float:
+    return REGISTRY.get_sample_value("vlmesh_prefix_first_tokens_total") or 0.0
 
 
 def one_at_a_time(parts, jobs):
@@ -121,14 +143,16 @@ def engines(tiny_model):
 def test_hits_decode_exactly_as_misses_and_different_images_share_nothing(engines):
     on, off = engines
     jobs = [(0, PROMPTS[0]), (0, PROMPTS[0]), (0, PROMPTS[1]), (1, PROMPTS[0]), (0, PROMPTS[0])]
+    answered = first_tokens()
     got, reqs = one_at_a_time(on, jobs)
     want, uncached = one_at_a_time(off, jobs)
     assert got == want and all(r.cached_tokens == 0 for r in uncached)
+    assert first_tokens() - answered == 2  # the two repeats of the first job
     cached = [r.cached_tokens for r in reqs]
     req0, _ = on.request(0, PROMPTS[0])
     n, image_at = req0.prompt_len, req0.image_positions[0]
     assert cached[0] == 0
-    assert cached[1] == (n - 1) // 4 * 4  # all but the last page
+    assert cached[1] == n  # the whole prompt, with its first token: no forward before its decode
     assert image_at + 16 <= cached[2] < n  # the image and the shared leading text, not the question
     assert cached[3] == image_at // 4 * 4  # another image of equal size: only the text before it
     assert cached[4] == cached[1]
@@ -171,17 +195,47 @@ def test_parts_of_a_page_are_copied_and_decode_exactly_as_misses(big_pages):
     n, image_at = req0.prompt_len, req0.image_positions[0]
     assert image_at > 0
     common = next(i for i, (a, b) in enumerate(zip(ids[0], ids[2], strict=False)) if a != b)
-    assert cached == [0, n - 1, common // PART * PART, image_at // PART * PART]
+    assert cached == [0, n, common // PART * PART, image_at // PART * PART]
     assert cached[2] >= image_at + 16  # the picture's positions were copied, not computed again
-    # A repeat beside a new prompt: its last position rides as a decode row in the prompt's step.
+    # A repeat beside a new prompt: its decodes ride in the prompt's step.
     pairs = [
         on.request(*jobs[0], max_tokens=10, min_tokens=10),
         on.request(7, jobs[0][1], max_tokens=10, min_tokens=10),
     ]
     on.run(*pairs)
-    assert pairs[0][1]["ids"] == want[0] and pairs[0][0].cached_tokens == n - 1
+    assert pairs[0][1]["ids"] == want[0] and pairs[0][0].cached_tokens == n
     alone = off.request(7, jobs[0][1], max_tokens=10, min_tokens=10)
     off.run(alone)
     assert pairs[1][1]["ids"] == alone[1]["ids"]
     pages = on.engine.scheduler.blocks
     assert pages.free == pages.capacity and pages.cached > 0
+
+
+def test_only_a_greedy_repeat_under_the_same_eos_ban_takes_its_first_token_from_the_cache(big_pages):
+    """A sampled repeat computes its prompt's last position (as a decode row) and draws from it with
+    its own generator. A greedy repeat with EOS banned (min_tokens) where the kept token's was not,
+    or the reverse, computes it too. Each gives the tokens of the pool without a cache."""
+    on, off = big_pages
+    prompt = "Which shape do you see in this picture? Answer in one word."
+    asked = [
+        {"min_tokens": 6},
+        {"min_tokens": 6, "temperature": 0.8, "seed": 4},  # sampled, and beside it
+        {"min_tokens": 6, "temperature": 0.8, "seed": 4, "top_p": 0.9},
+        {},  # EOS not banned: the kept token is the banned one's
+        {},
+        {"min_tokens": 6},
+    ]
+
+    def ask(parts, sampling):
+        req, box = parts.request(11, prompt, max_tokens=6, **sampling)
+        parts.run((req, box))
+        return req, box["ids"]
+
+    answered = first_tokens()
+    got = [ask(on, s) for s in asked]
+    assert [ids for _, ids in got] == [ask(off, s)[1] for s in asked]
+    n = got[0][0].prompt_len
+    assert [r.cached_tokens for r, _ in got] == [0, n - 1, n - 1, n - 1, n, n]
+    assert first_tokens() - answered == 2
+    pages = on.engine.scheduler.blocks
+    assert pages.free == pages.capacity

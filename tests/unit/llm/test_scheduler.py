@@ -9,9 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.qos import QosLevel, effective_class
+from services.common.sampling import Sampling
 from services.llm.block_manager import BlockManager
 from services.llm.request import Request
 from services.llm.scheduler import Scheduler
+
+GREEDY = Sampling(max_tokens=None, temperature=0.0, top_p=1.0, seed=None, stop=(), min_tokens=0, ignore_eos=False)
 
 
 class FakeRequest:
@@ -45,6 +48,7 @@ class FakeRequest:
         self.blocks: list[int] = []
         self.output_ids: list[int] = []
         self.preempted_at: list[float] = []
+        self.sampling = GREEDY
 
     @property
     def prompt_len(self) -> int:
@@ -341,6 +345,33 @@ def test_one_prompt_position_is_always_left_to_compute():
     sched.add(again)
     (chunk,) = sched.schedule().prefill
     assert chunk.start == 8 and chunk.end == 12  # the last page is computed: its logits give the first token
+
+
+def test_a_greedy_repeat_whose_first_token_the_pool_keeps_computes_nothing_and_decodes_at_once():
+    sched = scheduler(max_batch=8, pages=32, page_size=4)
+    first = keyed("a", [b"0", b"1", b"2"])
+    sched.add(first)
+    (chunk,) = sched.schedule().prefill
+    first.computed = chunk.end
+    sched.prefix.computed(first)  # as the engine does once the step is back: its pages, then its token
+    sched.prefix.answered(first, 42)
+    again = keyed("b", [b"0", b"1", b"2"])
+    sched.add(again)
+    plan = sched.schedule()
+    assert plan.answered == [(again, 42)] and plan.decode == [first, again] and not plan.prefill
+    assert again.computed == again.cached_tokens == 12 and again.blocks[:3] == first.blocks[:3]
+    # Not: with features read in place (leases), sampled, with EOS banned, or in a plan without decodes.
+    leased, drawn, banned, split = (keyed(r, [b"0", b"1", b"2"]) for r in "cdef")
+    leased.leases = object()
+    drawn.sampling = Sampling(None, 0.7, 1.0, 3, (), 0, False)
+    banned.sampling = Sampling(None, 0.0, 1.0, None, (), 2, False)
+    for req in (leased, drawn, banned):
+        sched.add(req)
+        plan = sched.schedule()
+        assert not plan.answered and plan.admitted == [req] and req.computed == 8
+    sched.add(split)
+    plan = sched.schedule(decodes=False)
+    assert not plan.answered and plan.prefill[0].start == 8
 
 
 def test_finishing_and_preemption_drop_holds_and_cached_pages_serve_a_resume():
