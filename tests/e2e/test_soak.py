@@ -1,10 +1,13 @@
 """Two minutes of a QoS mix at 70% of the demo mesh's capacity (python -m bench.soak, run as its
 users run it): nothing lost, no descriptor or shared-memory segment left over, and no service's
-private memory growing past a gross leak's bound.
+memory growing by more than issue 19's 1% after the warm-up.
 
-The bound is 5%, not issue 19's 1%: on the 2-core host the vision's and the llm's private memory
-still creep by 1.4-1.8% over these two minutes (the peak of the last third against the first;
-docs/PERF.md, "Soak"), which is not explained yet."""
+The caches are small here (an 8 MiB feature cache, a 0.02 GiB KV pool), so that they are full
+within the warm-up: a cache that fills up to its bound is not a leak, but at the default sizes
+the vision's and the llm's private memory rise by some 10 MiB over the first five minutes while
+they fill, and then stay flat (docs/PERF.md, "Soak, 30 minutes"). Full, what is left to grow is
+a leak. Three runs here at `0ac3ba6` grew by at most 0.81% (the llm's private memory, which swings
+by about 2 MiB from sample to sample)."""
 
 from __future__ import annotations
 
@@ -14,13 +17,14 @@ import sys
 
 from tests.helpers import ROOT
 
-GROSS_LEAK = 0.05
+MAX_GROWTH = 0.01
+SMALL_CACHES = ["--", "--feature-cache-mib", "8", "--kv-cache-gib", "0.02"]
 
 
 def test_two_minutes_at_70_percent_lose_nothing_and_leak_nothing(tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, "-m", "bench.soak", "--model", str(ROOT / "models" / "demo"), "--duration", "120"]
-    cmd += ["--warmup", "20", "--load", "0.7", "--max-growth", str(GROSS_LEAK), "--out", str(out)]
+    cmd += ["--warmup", "20", "--load", "0.7", "--max-growth", str(MAX_GROWTH), "--out", str(out), *SMALL_CACHES]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.exists(), result.stderr[-3000:]
     soak = json.loads(out.read_text())
@@ -29,7 +33,7 @@ def test_two_minutes_at_70_percent_lose_nothing_and_leak_nothing(tmp_path):
     assert soak["sent"] > 100 and soak["lost"] == 0, summary
     assert soak["statuses"].get("OK", 0) >= 0.9 * soak["sent"], summary  # 70% of capacity: nearly all answered
     for name, growth in soak["growth_after_warmup"].items():
-        assert growth["private"] <= GROSS_LEAK, (name, growth)
+        assert growth["rss"] <= MAX_GROWTH and growth["private"] <= MAX_GROWTH, (name, growth)
         assert growth["fds"] <= 2, (name, growth)
     assert soak["shm_segments"]["end"] <= soak["shm_segments"]["start"] + 1, soak["shm_segments"]
     assert result.returncode == 0, result.stderr[-3000:]
