@@ -4,7 +4,8 @@
 
 It starts a mesh, measures its capacity (a closed loop of `--concurrency` for `--probe-s`),
 then offers Poisson arrivals at `--load` of that rate, as realtime, standard and best-effort
-requests (`--mix`), each a fresh picture, for `--duration` seconds. Every `--sample-s` it records
+requests (`--mix`), each a fresh picture (or, with `--pool N`, one of N drawn as W3 draws them), for
+`--duration` seconds. Every `--sample-s` it records
 each service's memory (RSS, and the private part: RSS minus pages shared with other processes,
 such as the feature arenas), open file descriptors and threads, and the shared-memory segments
 on the host.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -51,25 +53,38 @@ SEED = 5151  # not the tests', training's or the accuracy bench's
 CLASSES = ("realtime", "standard", "best-effort")
 
 
-def picture(i: int) -> tuple[bytes, str]:
-    pic = render(np.random.default_rng([SEED, i]))
-    return encode(pic.image, "JPEG", 90), list(PROMPTS)[i % len(PROMPTS)]
+def rendered(stream: tuple[int, ...]) -> bytes:
+    return encode(render(np.random.default_rng(list(stream))).image, "JPEG", 90)
+
+
+pooled = functools.lru_cache(maxsize=1024)(rendered)  # a pool's pictures, encoded once
+
+
+def picture(i: int, pool: int = 0, zipf_s: float = 1.1) -> tuple[bytes, str]:
+    """Request i's picture and prompt: a fresh picture, or with `pool`, one of that many drawn
+    Zipf(zipf_s) as W3 draws them (the prompts cycle, so a picture comes back with other questions too)."""
+    prompt = list(PROMPTS)[i % len(PROMPTS)]
+    if not pool:
+        return rendered((SEED, i)), prompt
+    ranks = np.arange(1, pool + 1, dtype=np.float64) ** -zipf_s
+    key = int(np.random.default_rng([SEED, 7, i]).choice(pool, p=ranks / ranks.sum()))
+    return pooled((SEED, 17, key)), prompt
 
 
 class Load:
     """Requests through the gateway; every one ends counted (a status, or lost)."""
 
-    def __init__(self, target: str, max_tokens: int) -> None:
+    def __init__(self, target: str, max_tokens: int, pool: int = 0) -> None:
         self.channel = grpc.aio.insecure_channel(target)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
-        self.max_tokens = max_tokens
+        self.max_tokens, self.pool = max_tokens, pool
         self.statuses: Counter = Counter()
         self.e2e: dict[str, list[float]] = {c: [] for c in CLASSES}
         self.sent = 0
         self.pending: set[asyncio.Task] = set()
 
     async def one(self, i: int, qos: str, record: bool = True) -> None:
-        data, prompt = await asyncio.get_running_loop().run_in_executor(None, picture, i)  # not on the loop
+        data, prompt = await asyncio.get_running_loop().run_in_executor(None, picture, i, self.pool)  # not on the loop
         req = gateway_pb2.GenerateRequest(
             images=[pb.Image(data=data)], prompt=prompt, sampling=pb.SamplingParams(max_tokens=self.max_tokens)
         )
@@ -179,7 +194,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 async def soak(mesh: Mesh, args) -> dict:
-    load = Load(mesh.target("gateway"), args.max_tokens)
+    load = Load(mesh.target("gateway"), args.max_tokens, args.pool)
     procs = {c.name: psutil.Process(c.proc.pid) for c in mesh.children}
     metrics = {}
     if args.device.startswith("cuda"):
@@ -239,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe-s", type=float, default=10.0, help="the capacity probe's length (default %(default)s)")
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument(
+        "--pool",
+        type=int,
+        default=0,
+        help="draw pictures Zipf(1.1) from a pool of this many, as W3 does (default: fresh)",
+    )
     p.add_argument(
         "--max-growth", type=float, default=0.01, help="private (and reserved GPU) memory growth allowed (default 1%%)"
     )
