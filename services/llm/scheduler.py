@@ -193,7 +193,7 @@ class Scheduler:
             if any(req is v for v in plan.preempted):  # the rest of the queue was admitted before it
                 return budget
             # Its features are read in place (leases) only while a prefill reads them: it computes.
-            first = None if decoding is None or req.leases else self.prefix.first_token(req)
+            first = None if decoding is None or req.leases is not None else self.prefix.first_token(req)
             shared, part, start = self.prefix.lookup(req, whole=first is not None)
             if start < req.prompt_len:  # a page before the prompt's end was evicted: it computes
                 first = None

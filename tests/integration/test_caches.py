@@ -75,6 +75,8 @@ def test_64_concurrent_requests_over_8_pictures_each_get_their_own_answer(mesh):
     ]
     assert not wrong, wrong[:5]
     assert again.text == pics[0].answer(jobs[0][1]) and again.usage.cached_tokens > 144
+    # Greedy, and its whole prompt cached with the prompt's first token: it computed no prompt position.
+    assert again.usage.cached_tokens == again.usage.prompt_tokens + again.usage.image_tokens
     # The llm held the picture's positions: the gateway sent its content key alone, and no vision stage ran.
     assert again.timings.preprocess_ms == again.timings.vision_ms == 0
     vision, llm = scrape(mesh.metrics_ports["vision"]), scrape(mesh.metrics_ports["llm"])
@@ -86,6 +88,7 @@ def test_64_concurrent_requests_over_8_pictures_each_get_their_own_answer(mesh):
     assert hits > 0 and misses > 8  # 8 pictures, 3 slots: evicted and encoded again
     assert counter(vision, 'vlmesh_arena_slots{arena="shm",state="kept"}') <= KEPT
     assert counter(llm, 'vlmesh_prefix_cache_tokens_total{result="hit"}') > 0
+    assert counter(llm, "vlmesh_prefix_first_tokens_total") >= 1
 
 
 def test_another_question_about_a_picture_the_llm_holds_skips_the_vision(mesh):

@@ -371,7 +371,7 @@ def test_a_greedy_repeat_whose_first_token_the_pool_keeps_computes_nothing_and_d
         assert not plan.answered and plan.admitted == [req] and req.computed == 8
     sched.add(split)
     plan = sched.schedule(decodes=False)
-    assert not plan.answered and plan.prefill[0].start == 8
+    assert not plan.answered and plan.admitted == [split] and split.computed == 8
 
 
 def test_finishing_and_preemption_drop_holds_and_cached_pages_serve_a_resume():
