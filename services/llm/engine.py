@@ -223,16 +223,17 @@ class NativeEngine:
         finally:
             self._land(step.held)
         for c in chunks:
-            if c.req.ended or not c.req.running:
+            # Features it read that were reused meanwhile fail it, and nothing it computed is kept.
+            if c.req.ended or not c.req.running or not self._leases_hold(c.req, c.start):
                 continue
             self.scheduler.prefix.computed(c.req)  # its full prompt pages, for the prompts after it
-            # Read, and not reused while it was read; no later chunk reads them (`computed` may be
-            # past them already: the next step, launched, may still be reading them).
-            if c.req.leases and c.end >= c.req.features_end and self._leases_hold(c.req, 0):
+            # Read; no later chunk reads them (`computed` may be past them already: the next step,
+            # launched, may still be reading them).
+            if c.req.leases and c.end >= c.req.features_end:
                 c.req.drop_leases()
         done, sampled = time.perf_counter(), [c.req for c in chunks if c.completes] + decodes  # tokens' order
         for req, token in zip(sampled, tokens, strict=True):
-            if not req.prefill_done_at and req.running:  # a resumed request keeps its first prefill's clock
+            if not req.prefill_done_at and req.running and not req.ended:  # a resume keeps its first clock
                 req.prefill_done_at = done
                 self.scheduler.prefix.computed(req)  # a prompt's last position may run as a decode
                 self.scheduler.prefix.answered(req, token)  # for a greedy repeat of its prompt

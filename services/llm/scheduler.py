@@ -151,8 +151,10 @@ class Scheduler:
                 end = min(req.prefill_target, req.computed + budget)
                 plan.prefill.append(Chunk(req, req.computed, end))
                 budget -= end - req.computed
+        sources: list[int] = []  # the pages admitted requests copy parts from: held while this plan admits
         if self._waiting and budget > 0:
-            budget = self._admit(plan, budget, decoding if decodes else None)
+            budget = self._admit(plan, budget, decoding if decodes else None, sources)
+        self.blocks.release(sources)  # the runner copies from them before the step's forward, ahead of any write
         if plan.preempted:  # a victim's chunk or decode this step is dropped with it
             gone = {id(r) for r in plan.preempted}
             plan.prefill = [c for c in plan.prefill if id(c.req) not in gone]
@@ -180,8 +182,9 @@ class Scheduler:
         row after 613 cached positions took 7.1 ms, a decode step 4.3-4.8: a repeated prompt's hit)."""
         return req.prefill_target - req.computed == 1 and req.computed >= req.features_end and req.leases is None
 
-    def _admit(self, plan: Plan, budget: int, decoding: list[Request] | None) -> int:
-        """Admit waiting requests into the plan, as chunks, or into `decoding` (None: no decodes)."""
+    def _admit(self, plan: Plan, budget: int, decoding: list[Request] | None, sources: list[int]) -> int:
+        """Admit waiting requests into the plan, as chunks, or into `decoding` (None: no decodes). A part's
+        source page stays held (`sources`): a later admission must not take it, and copy into it first."""
         now = self.clock()
         # Sorting a short queue costs less than keeping an aged heap.
         self._waiting.sort(key=lambda r: (self._class(r, now), r.arrival))
@@ -211,10 +214,9 @@ class Scheduler:
                 self._preempt(victim, now)
                 plan.preempted.append(victim)
             self._pop()
-            self.blocks.share(held)  # the part's page too, so that this allocation does not evict it
+            self.blocks.share(held)  # the part's page too, so that no allocation of this plan evicts it
             req.blocks = shared + self.blocks.allocate(new_pages)
-            if part:  # the runner copies it before this step's forward, ahead of any later write to it
-                self.blocks.release([part[0]])
+            sources += [part[0]] if part else []
             req.kv_copy = part
             req.registered = len(shared)
             req.computed = start  # after the shared pages and the copied part

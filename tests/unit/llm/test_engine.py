@@ -299,6 +299,7 @@ def test_a_lost_lease_fails_the_request_with_failed_precondition(parts, fail_on)
     after = parts.request(image, PROMPTS[1], max_tokens=4)
     parts.run(after)  # the engine keeps serving
     assert after[1]["finish"] is Finish.LENGTH
+    assert after[0].cached_tokens == 0  # nothing computed from reused memory went to the prefix cache
 
 
 def test_abort_while_waiting_releases_the_leases(parts):

@@ -374,6 +374,35 @@ def test_a_greedy_repeat_whose_first_token_the_pool_keeps_computes_nothing_and_d
     assert not plan.answered and plan.admitted == [split] and split.computed == 8
 
 
+def test_no_later_admission_of_a_plan_takes_a_page_that_an_earlier_one_copies_a_part_from():
+    """The runner copies the chunks' parts before the decodes': a repeat (a decode at once) whose
+    source page a prompt admitted after it took would copy that prompt's part, not its own."""
+    sched = scheduler(max_batch=8, pages=6, page_size=32)  # 5 usable pages
+    a = FakeRequest("a", QosLevel.STANDARD, 0.0, prompt=40, token=1)
+    a.page_keys = None  # computed by the prefix cache: its part keys too
+    sched.add(a)
+    run_plan(sched.schedule())
+    a.output_ids.clear()  # as the engine does: pages registered, then the first token noted
+    sched.prefix.computed(a)
+    sched.prefix.answered(a, 42)
+    sched.finish(a)  # its 2 pages cached: the second holds the part where its prompt ends
+    b = FakeRequest("b", QosLevel.STANDARD, 1.0, prompt=52, token=2)
+    b.page_keys = None
+    sched.add(b)
+    run_plan(sched.schedule())
+    sched.prefix.computed(b)  # b runs on, in 2 pages: the pool has 1 free page and a's 2 cached ones
+    again = FakeRequest("again", QosLevel.STANDARD, 2.0, prompt=40, token=1)
+    other = FakeRequest("other", QosLevel.STANDARD, 3.0, prompt=50, token=2)  # b's first 48, and 2 more
+    for req in (again, other):
+        req.page_keys = None
+        sched.add(req)
+    plan = sched.schedule()
+    assert plan.answered == [(again, 42)] and again.kv_copy is not None
+    source = again.kv_copy[0]
+    assert all(source not in r.blocks for r in plan.admitted if r is not again)
+    assert sched.blocks.free >= 1  # the source page is cached again once the plan is made
+
+
 def test_finishing_and_preemption_drop_holds_and_cached_pages_serve_a_resume():
     clock = [0.0]
     sched = scheduler(max_batch=1, pages=8, page_size=4, clock=lambda: clock[0])
