@@ -111,6 +111,13 @@ class ServerConfig:
     def check(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a TCP port (0 picks a free one)")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port {self.metrics_port}: a TCP port, 0 for a free one, -1 for none")
+        if self.grace_s < 0:
+            raise ValueError(f"--grace-s {self.grace_s} must be >= 0")
+        if not 0 < self.switch_interval_ms <= 100:
+            raise ValueError(f"--switch-interval-ms {self.switch_interval_ms} must be in (0, 100]")
+        eventloop.resolve(self.event_loop)
         tls.check_files(self.tls_cert, self.tls_key, self.tls_ca)
 
     def server_credentials(self, require_client: bool):
@@ -120,13 +127,6 @@ class ServerConfig:
     def channel_credentials(self):
         """grpc.ChannelCredentials for this service's calls to the mesh's others (None: plaintext)."""
         return tls.channel_credentials(self.tls_cert, self.tls_key, self.tls_ca)
-        if not -1 <= self.metrics_port <= 65535:
-            raise ValueError(f"--metrics-port {self.metrics_port}: a TCP port, 0 for a free one, -1 for none")
-        if self.grace_s < 0:
-            raise ValueError(f"--grace-s {self.grace_s} must be >= 0")
-        if not 0 < self.switch_interval_ms <= 100:
-            raise ValueError(f"--switch-interval-ms {self.switch_interval_ms} must be in (0, 100]")
-        eventloop.resolve(self.event_loop)
 
 
 @dataclass(frozen=True, kw_only=True)

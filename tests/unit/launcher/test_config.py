@@ -159,6 +159,17 @@ def test_checks_keep_their_messages():
         gateway_config.parse(["--max-in-flight", "urgent=3"])
     with pytest.raises(ValueError, match=r"--start-timeout-s 0.0 must be > 0"):
         MeshOptions.from_flags(["--start-timeout-s", "0"], model="models/demo")
+    # The server flags every service shares (ServerConfig.check), each refused at start-up.
+    for argv, message in (
+        (["--metrics-port", "-2"], r"--metrics-port -2: a TCP port"),
+        (["--grace-s", "-1"], r"--grace-s -1.0 must be >= 0"),
+        (["--switch-interval-ms", "0"], r"--switch-interval-ms 0.0 must be in \(0, 100\]"),
+    ):
+        for parse in (vision_config.parse, llm_config.parse):
+            with pytest.raises(ValueError, match=message):
+                parse(["--model", "m", *argv])
+        with pytest.raises(ValueError, match=message):
+            gateway_config.parse(argv)
 
 
 def test_up_parser_exposes_every_flag_it_passes_on():
