@@ -68,7 +68,7 @@ def _code(text: str) -> str:
 
 
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    return " ".join(text.split()).replace("%%", "%").replace("|", "\\|")  # argparse's escaped percent
 
 
 def rows() -> list[tuple[str, str, str, str]]:

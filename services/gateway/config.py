@@ -218,6 +218,13 @@ class GatewayConfig:
         "vision, where the llm reports reads_cached_images: it answers from its prefix cache, or asks for the "
         "features (one llm round trip more); --no-skip-cached-encode encodes every image (default: on)",
     )
+    image_key_cache: int = flag(
+        "--image-key-cache",
+        default=8192,
+        metavar="N",
+        help="images whose content key --skip-cached-encode remembers, least recently used out; about 250 "
+        "bytes each (default %(default)s)",
+    )
     tenants: str | None = flag(
         "--tenants",
         default=None,
@@ -247,6 +254,8 @@ class GatewayConfig:
             raise ValueError(f"--degrade-target {self.degrade_target!r} must be HOST:PORT (or unix:PATH)")
         if self.degrade_variant is not None and self.degrade_target is None:
             raise ValueError("--degrade-variant needs --degrade-target")
+        if self.image_key_cache < 1:
+            raise ValueError(f"--image-key-cache {self.image_key_cache} must be >= 1 (--no-skip-cached-encode: none)")
         if self.breaker_failures < 1 or self.breaker_cooldown_s <= 0:
             raise ValueError("--breaker-failures must be >= 1 and --breaker-cooldown-s > 0")
         if self.tenants:

@@ -35,7 +35,7 @@ async def serve(cfg: gateway_config.GatewayConfig) -> None:
         peer_credentials=cfg.server.channel_credentials(),
         breaker=(cfg.breaker_failures, cfg.breaker_cooldown_s),
         degrade=(cfg.degrade_target, cfg.degrade_variant),
-        skip_cached_encode=cfg.skip_cached_encode,
+        image_keys=(cfg.skip_cached_encode, cfg.image_key_cache),
     )
     http = await start_http(cfg, servicer) if cfg.http.port >= 0 else None
     running = await start_server(

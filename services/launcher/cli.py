@@ -38,6 +38,7 @@ SERVICES = ("gateway", "vision", "llm")
 # service's config (services/*/config.py), with its default and help.
 SERVER_FLAGS = (  # to all three
     *("host", "log_level", "log_format", "event_loop", "grace_s", "switch_interval_ms", "gc_freeze"),
+    "malloc_arenas",
     *("tls_cert", "tls_key", "tls_ca"),
 )
 MODEL_FLAGS = ("model", "device", "dtype", "threads", "memory_watermarks")  # to vision and llm
@@ -74,6 +75,8 @@ GATEWAY_FLAGS = (
     "tenants",
     "access_log",
     "max_images",
+    "skip_cached_encode",
+    "image_key_cache",
     "max_in_flight",
     "degrade_target",
     "degrade_variant",

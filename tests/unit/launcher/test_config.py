@@ -47,6 +47,7 @@ def custom_server(port: int) -> ServerConfig:
         grace_s=2.5,
         switch_interval_ms=0.25,
         gc_freeze=False,
+        malloc_arenas=1,
         event_loop="asyncio",
         port_file="/tmp/ports.json",
         tls_cert=str(PEM / "cert"),
@@ -64,6 +65,7 @@ CUSTOM = {
         tenants=str(TENANTS),
         access_log=False,
         skip_cached_encode=False,
+        image_key_cache=16,
         breaker_failures=2,
         breaker_cooldown_s=0.25,
         degrade_target="10.0.0.3:8",
@@ -163,6 +165,7 @@ def test_checks_keep_their_messages():
     for argv, message in (
         (["--metrics-port", "-2"], r"--metrics-port -2: a TCP port"),
         (["--grace-s", "-1"], r"--grace-s -1.0 must be >= 0"),
+        (["--malloc-arenas", "-1"], r"--malloc-arenas -1 must be >= 0"),
         (["--switch-interval-ms", "0"], r"--switch-interval-ms 0.0 must be in \(0, 100\]"),
     ):
         for parse in (vision_config.parse, llm_config.parse):
@@ -170,6 +173,8 @@ def test_checks_keep_their_messages():
                 parse(["--model", "m", *argv])
         with pytest.raises(ValueError, match=message):
             gateway_config.parse(argv)
+    with pytest.raises(ValueError, match=r"--image-key-cache 0 must be >= 1"):
+        gateway_config.parse(["--image-key-cache", "0"])
 
 
 def test_up_parser_exposes_every_flag_it_passes_on():
