@@ -19,6 +19,7 @@ DEFAULT_LLM_TARGET = f"{DEFAULT_HOST}:{MESH_PORTS['llm']}"
 STAGES = ("preprocess", "vision", "prefill", "decode")
 DEFAULT_STAGE_BUDGETS_MS = {"preprocess": 120.0, "vision": 300.0, "prefill": 180.0, "decode": 200.0}
 BUDGET_OUTPUT_TOKENS = 16  # the decode budget is for this many output tokens (the write-ups' workloads)
+IMAGE_KEY_CACHE = 8192  # images whose vision content key the gateway remembers (services/gateway/image_keys.py)
 DEFAULT_CLASS_SCALE = {QosLevel.REALTIME: 5.0, QosLevel.STANDARD: 10.0, QosLevel.BEST_EFFORT: 40.0}
 # Default in-flight limits, in multiples of the mesh's parallelism (the llm's batch).
 IN_FLIGHT_PER_BATCH = {QosLevel.REALTIME: 8, QosLevel.STANDARD: 6, QosLevel.BEST_EFFORT: 3}
@@ -220,7 +221,7 @@ class GatewayConfig:
     )
     image_key_cache: int = flag(
         "--image-key-cache",
-        default=8192,
+        default=IMAGE_KEY_CACHE,
         metavar="N",
         help="images whose content key --skip-cached-encode remembers, least recently used out; about 250 "
         "bytes each (default %(default)s)",

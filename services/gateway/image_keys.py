@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from services.common import metrics
+from services.gateway.config import IMAGE_KEY_CACHE
 from vlmesh.v1 import common_pb2 as pb
 
 DIGEST_BYTES = 16
@@ -30,7 +31,7 @@ INLINE_HASH_BYTES = 1 << 20  # larger images are hashed off the event loop (blak
 class ImageKeys:
     """(worker, digest of the image bytes) -> the content key its vision gave them; least recently used out."""
 
-    def __init__(self, enabled: bool = True, capacity: int = 8192) -> None:
+    def __init__(self, enabled: bool = True, capacity: int = IMAGE_KEY_CACHE) -> None:
         self.enabled, self.capacity = enabled, capacity
         self._keys: OrderedDict[tuple[str, bytes], bytes] = OrderedDict()
 

@@ -8,6 +8,7 @@ import os
 from services.common.config import WARMUP_KEY_ENV
 from services.common.server import run_service, serve_until_signal, start_server
 from services.gateway import config as gateway_config
+from services.gateway.image_keys import ImageKeys
 from services.gateway.servicer import GatewayServicer
 from services.gateway.tenants import TenantRegistry
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
@@ -35,7 +36,7 @@ async def serve(cfg: gateway_config.GatewayConfig) -> None:
         peer_credentials=cfg.server.channel_credentials(),
         breaker=(cfg.breaker_failures, cfg.breaker_cooldown_s),
         degrade=(cfg.degrade_target, cfg.degrade_variant),
-        image_keys=(cfg.skip_cached_encode, cfg.image_key_cache),
+        image_keys=ImageKeys(cfg.skip_cached_encode, cfg.image_key_cache),
     )
     http = await start_http(cfg, servicer) if cfg.http.port >= 0 else None
     running = await start_server(

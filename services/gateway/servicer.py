@@ -69,7 +69,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         peer_credentials: grpc.ChannelCredentials | None = None,  # mTLS to vision and llm (services/common/tls.py)
         breaker: tuple[int, float] = (5, 5.0),  # failures in a row, cool-down s (services/gateway/workers.py)
         degrade: tuple[str | None, str | None] = (None, None),  # cheaper variant: target, name (gateway/degrade.py)
-        image_keys: tuple[bool, int] = (True, 8192),  # on, capacity (services/gateway/image_keys.py)
+        image_keys: ImageKeys | None = None,  # --skip-cached-encode's memo (default: on, IMAGE_KEY_CACHE)
     ) -> None:
         self.tenants = tenants
         self.access = AccessLog(access_log)
@@ -79,7 +79,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         cheaper = CheaperVariant(*degrade, peer_credentials, interceptors) if degrade[0] else None
         self.degrade = Degrader(self.admission, cheaper)
         self.max_images = max_images
-        self.image_keys = ImageKeys(*image_keys)
+        self.image_keys = ImageKeys() if image_keys is None else image_keys
         self._background: set[asyncio.Task] = set()
 
     async def llm_info(self) -> pb.ServiceInfo:
