@@ -19,7 +19,7 @@ and the device's memory in use as nvidia-smi reports it. Flags after `--` go to 
 
 It reports lost requests (sent - answered - refused with a status: must be 0), the statuses,
 e2e percentiles per class, and each service's memory growth after `--warmup` (`growth_of`: the
-trend of each figure over the samples). It
+robust trend of each figure over the samples). It
 exits 1 when a request was lost, or a service's private memory or reserved GPU memory grew by
 more than `--max-growth` (a share: 0.01 is 1%).
 """
@@ -52,6 +52,7 @@ from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 SEED = 5151  # not the tests', training's or the accuracy bench's
 CLASSES = ("realtime", "standard", "best-effort")
+MAX_FIT_SAMPLES = 2000  # growth_of's line through at most this many samples (2 million pairs)
 
 
 def rendered(stream: tuple[int, ...]) -> bytes:
@@ -163,23 +164,30 @@ def sample(procs: dict[str, psutil.Process], t0: float, metrics: dict[str, str])
 
 
 def growth_of(samples: list[dict], name: str) -> dict:
-    """One service's memory growth over these samples: the least-squares line through each figure
-    against time, its rise from the first sample's time to the last's as a share of where it starts.
-    A leak raises the whole series. On the CPU a step's activations and the allocators' caches make
-    single samples swing by a few MiB either way (the llm's private memory by about 2 of 287 MiB),
-    which moved the peak of the last third of a 2-minute run against the first by +-1.2%; the line
-    through a sample a second averages them out. RSS also counts the feature arenas' shared pages,
-    which fill up to --feature-cache-mib by design; `private` leaves them out. On a GPU,
-    `gpu_reserved` too: what the allocator holds of the device. `fds`: the most open in the last
-    third against the most in the first."""
-    times = np.array([s["t_s"] for s in samples])
+    """One service's memory growth over these samples: the Theil-Sen line through each figure against
+    time (the median of the slopes between every two samples), its rise from the first sample's time
+    to the last's as a share of where it starts. A leak raises the whole series. On the CPU single
+    samples swing by a few MiB either way: a step's activations, and glibc trimming the top of a heap
+    and growing it again (the llm's private memory by about 2 of 287 MiB). Those moved the peak of the
+    last third of a 2-minute run against the first by +-1.2%, and tilt a least-squares line; the
+    median slope leaves them out (over 16 two-minute runs its standard deviation across runs was 0.29%
+    for the vision and 0.24% for the llm, against 0.48% and 0.36% for least squares: docs/PERF.md). RSS also counts the
+    feature arenas' shared pages, which fill up to --feature-cache-mib by design; `private` leaves them
+    out. On a GPU, `gpu_reserved` too: what the allocator holds of the device. `fds`: the most open in
+    the last third against the most in the first."""
+    samples = samples[:: max(1, -(-len(samples) // MAX_FIT_SAMPLES))]  # every k-th: the pairs grow as n squared
+    times = np.array([s["t_s"] for s in samples], dtype=np.float64)
     rows = [s[name] for s in samples]
+    first, second = np.triu_indices(len(times), 1)
+    apart = times[second] - times[first]
+    pairs = apart > 0
 
     def rise(key: str) -> float:
         values = np.array([r[key] for r in rows], dtype=np.float64)
-        if len(values) < 2 or times[-1] == times[0]:
+        if not pairs.any():
             return 0.0
-        slope, intercept = np.polyfit(times, values, 1)
+        slope = float(np.median((values[second] - values[first])[pairs] / apart[pairs]))
+        intercept = float(np.median(values - slope * times))
         return round(float(slope * (times[-1] - times[0]) / (slope * times[0] + intercept)), 4)
 
     third = max(1, len(rows) // 3)
