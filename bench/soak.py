@@ -170,11 +170,12 @@ def growth_of(samples: list[dict], name: str) -> dict:
     samples swing by a few MiB either way: a step's activations, and glibc trimming the top of a heap
     and growing it again (the llm's private memory by about 2 of 287 MiB). Those moved the peak of the
     last third of a 2-minute run against the first by +-1.2%, and tilt a least-squares line; the
-    median slope leaves them out (over 16 two-minute runs its standard deviation across runs was 0.29%
-    for the vision and 0.24% for the llm, against 0.48% and 0.36% for least squares: docs/PERF.md). RSS also counts the
-    feature arenas' shared pages, which fill up to --feature-cache-mib by design; `private` leaves them
-    out. On a GPU, `gpu_reserved` too: what the allocator holds of the device. `fds`: the most open in
-    the last third against the most in the first."""
+    median slope leaves them out. Over 16 two-minute runs its standard deviation across runs was
+    0.31% for the vision and 0.37% for the llm, against 0.49% and 0.48% for least squares
+    (docs/PERF.md). RSS also counts the feature arenas' shared pages, which fill up to
+    --feature-cache-mib by design; `private` leaves them out. On a GPU, `gpu_reserved` too: what the
+    allocator holds of the device. `fds`: the most open in the last third against the most in the
+    first."""
     samples = samples[:: max(1, -(-len(samples) // MAX_FIT_SAMPLES))]  # every k-th: the pairs grow as n squared
     times = np.array([s["t_s"] for s in samples], dtype=np.float64)
     rows = [s[name] for s in samples]

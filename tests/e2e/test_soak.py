@@ -9,11 +9,11 @@ the first five minutes while they fill, and then stay flat (docs/PERF.md, "Soak,
 and the gateway's by 0.5-0.9% in two minutes, an image key per fresh picture (8,192 of about 250
 bytes at most).
 
-Growth is the trend of a sample a second (bench/soak.py, `growth_of`), held to issue 19's 1%. The
-services cap glibc's malloc arenas (`--malloc-arenas`, 4 by default): with glibc's own limit the
-llm's private memory rose by 1.0-1.5% in 3 of 8 such runs on the 2-core host while its bytes in
-use stayed flat, free space stranded across its threads' arenas (docs/PERF.md, "Soak, 2 minutes
-with full caches")."""
+Growth is the Theil-Sen trend of a sample a second (bench/soak.py, `growth_of`), held to issue
+19's 1%. The services cap glibc's malloc arenas (`--malloc-arenas`, 4 by default): with glibc's
+own limit the llm's private memory rose by 1.0-1.5% in 3 of 8 such runs on the 2-core host while
+its bytes in use stayed flat, free space stranded across its threads' arenas (docs/PERF.md, "CPU:
+the llm's memory drift in the 2-minute soak was glibc's arenas")."""
 
 from __future__ import annotations
 
