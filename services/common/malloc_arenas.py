@@ -17,7 +17,6 @@ MALLOC_ARENA_MAX in the environment wins: glibc has read it, and this leaves it 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import sys
@@ -36,7 +35,7 @@ def cap_arenas(arenas: int) -> bool:
     if arenas <= 0 or ENV in os.environ or not sys.platform.startswith("linux"):
         return False
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own symbols: libc's, no library search
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
