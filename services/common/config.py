@@ -22,6 +22,9 @@ SWITCH_INTERVAL_MS = 0.5
 READY_SIGNALS = ("sync", "event")
 QUANTIZATIONS = ("none", "int8", "int4")  # --quantize (services/model/quantize.py)
 VARIANT_METADATA_KEY = "x-model-variant"  # response: who served; request: who must serve
+# A request's `model` may pin a variant as MODEL:VARIANT (e.g. demo:int8), for clients that set
+# no headers (OpenAI's); a router reads it from the body (services/launcher/envoy.py).
+MODEL_VARIANT_SEPARATOR = ":"
 DEGRADED_METADATA_KEY = "x-vlmesh-degraded"  # response: how overload degraded it; request: relayed already
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

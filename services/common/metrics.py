@@ -58,6 +58,10 @@ IN_FLIGHT = Gauge("vlmesh_in_flight", "Admitted requests not yet answered (gatew
 WORKER_CIRCUIT = Gauge(
     "vlmesh_worker_circuit", "The gateway's breaker of each worker: 0 closed, 1 half-open, 2 open", ["worker"]
 )
+GATEWAY_READY = Gauge(
+    "vlmesh_gateway_ready",
+    "1 while some worker of the gateway has its vision and llm answering health checks (services/gateway/readiness.py)",
+)
 GC_PAUSE = Histogram(
     "vlmesh_gc_pause_seconds",
     "Python garbage collections and how long each held the process (services/common/gcpause.py)",

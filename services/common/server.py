@@ -43,6 +43,10 @@ INTERNAL_OPTIONS = (
     ("grpc.http2.ping_timeout_ms", KEEPALIVE_MS),  # grpcio >= 1.6x times a ping out here (60 s by default)
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # A peer that restarts is back within seconds, on the same port: reconnect soon after it, not
+    # after gRPC's default backoff, which grows to two minutes while the peer is away.
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 )
 # grpcio binds servers with SO_REUSEPORT unless told not to, and a second server on a busy port
 # then starts without error and takes half its connections. No port sharing: a busy port fails.
@@ -84,17 +88,34 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def _status(serving: bool) -> int:
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+
+
 @dataclass
 class RunningServer:
+    """A started server. Its health: the overall status (service "") is liveness, SERVING until it
+    drains; each service's own name is readiness, which a service may also lower while it cannot
+    serve (the gateway without a reachable worker: services/gateway/readiness.py)."""
+
     server: grpc.aio.Server
     health: health.aio.HealthServicer
     port: int
     service_names: tuple[str, ...]
+    draining: bool = False
 
     async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        """Liveness and readiness together (NOT_SERVING: the server drains)."""
+        self.draining = not serving
         for name in ("", *self.service_names):
-            await self.health.set(name, status)
+            await self.health.set(name, _status(serving))
+
+    async def set_ready(self, ready: bool) -> None:
+        """Readiness alone; a draining server stays NOT_SERVING."""
+        if self.draining:
+            return
+        for name in self.service_names:
+            await self.health.set(name, _status(ready))
 
 
 async def start_server(

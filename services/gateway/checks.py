@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.common.config import VARIANT_METADATA_KEY
+from services.common.config import MODEL_VARIANT_SEPARATOR, VARIANT_METADATA_KEY
 from services.common.errors import InvalidArgument, NotFound
 from services.common.qos import metadata_value
 from services.common.sampling import Sampling
@@ -23,14 +23,37 @@ def check_request(request: gateway_pb2.GenerateRequest, max_images: int) -> None
     check_conversation(request.prompt, request.messages, len(request.images))
 
 
+class ModelNotFound(NotFound):
+    """The request's `model` names no model (or variant) served here: OpenAI's 404 model_not_found."""
+
+    reason = "model_not_found"
+    param = "model"
+
+
+def check_model(model: str, info: pb.ServiceInfo) -> None:
+    """`model` empty, the served model's id, or MODEL:VARIANT naming this worker's variant; else
+    ModelNotFound saying what is served."""
+    if not model or model == info.model_id:
+        return
+    pinned = f"{info.model_id}{MODEL_VARIANT_SEPARATOR}{info.variant}"
+    if model == pinned:
+        return
+    if model.startswith(f"{info.model_id}{MODEL_VARIANT_SEPARATOR}"):
+        raise ModelNotFound(
+            f"model {model!r}: that variant is not served here; this worker serves {pinned!r} "
+            "(the mesh's router sends a pinned model to its variant)"
+        )
+    or_pinned = f" (or {pinned!r})" if info.variant else ""
+    raise ModelNotFound(f"model {model!r} does not exist; this mesh serves {info.model_id!r}{or_pinned}")
+
+
 def check_served(
     request: gateway_pb2.GenerateRequest, metadata: Sequence | None, info: pb.ServiceInfo
 ) -> tuple[Sampling, int]:
     """Against the served model: (the resolved sampling, the output tokens the request will
     surely generate), or the MeshError. Surely: admission refuses only work that cannot finish
     in time, not work that might stop early at EOS."""
-    if request.model and request.model != info.model_id:
-        raise InvalidArgument(f"model {request.model!r} is not served here; this mesh serves {info.model_id!r}")
+    check_model(request.model, info)
     pinned = metadata_value(metadata, VARIANT_METADATA_KEY)
     if pinned and pinned != info.variant:
         raise NotFound(

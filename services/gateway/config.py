@@ -133,8 +133,9 @@ class HttpConfig:
     port: int = flag(
         "--http-port",
         default=-1,
-        help="serve /v1/chat/completions, /v1/models, /health and /metrics over HTTP on this port, beside "
-        "gRPC (same admission, tenants, QoS, traces); 0 picks a free one, -1 turns it off (default %(default)s)",
+        help="serve /v1/chat/completions, /v1/models and /health over HTTP on this port, beside gRPC (same "
+        "admission, tenants, QoS, traces; metrics on --metrics-port); 0 picks a free one, -1 turns it off "
+        "(default %(default)s)",
     )
     image_urls: bool = flag(
         "--http-image-urls",

@@ -9,6 +9,7 @@ from services.common.config import WARMUP_KEY_ENV
 from services.common.server import run_service, serve_until_signal, start_server
 from services.gateway import config as gateway_config
 from services.gateway.image_keys import ImageKeys
+from services.gateway.readiness import Readiness
 from services.gateway.servicer import GatewayServicer
 from services.gateway.tenants import TenantRegistry
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
@@ -38,7 +39,8 @@ async def serve(cfg: gateway_config.GatewayConfig) -> None:
         degrade=(cfg.degrade_target, cfg.degrade_variant),
         image_keys=ImageKeys(cfg.skip_cached_encode, cfg.image_key_cache),
     )
-    http = await start_http(cfg, servicer) if cfg.http.port >= 0 else None
+    readiness = Readiness(servicer.workers.all)
+    http = await start_http(cfg, servicer, readiness) if cfg.http.port >= 0 else None
     running = await start_server(
         cfg.server,
         [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)],
@@ -56,23 +58,27 @@ async def serve(cfg: gateway_config.GatewayConfig) -> None:
         f"; OpenAI-compatible HTTP on {http[1].scheme}://{cfg.server.host}:{http[1].port}/v1" if http else "",
     )
 
-    async def drain_http() -> None:
+    readiness.on_change = running.set_ready
+    readiness.start()
+
+    async def drain() -> None:
+        await readiness.stop()
         if http is not None:
             api, server = http
             api.serving = False
             await server.stop()
             await api.close()
 
-    await serve_until_signal(running, cfg.server.grace_s, drain_also=drain_http)
+    await serve_until_signal(running, cfg.server.grace_s, drain_also=drain)
 
 
-async def start_http(cfg: gateway_config.GatewayConfig, servicer: GatewayServicer):
+async def start_http(cfg: gateway_config.GatewayConfig, servicer: GatewayServicer, readiness: Readiness):
     """The OpenAI-compatible door on --http-port: (its routes, its running server)."""
     # Imported here: FastAPI and uvicorn load only when the HTTP door is on.
     from services.gateway.http.app import OpenAiApi
     from services.gateway.http.server import HttpServer
 
-    api = OpenAiApi(servicer, cfg.http)
+    api = OpenAiApi(servicer, cfg.http, readiness)
     tls = cfg.server.tls_cert, cfg.server.tls_key
     server = HttpServer(api.app, cfg.server.host, cfg.http.port, cfg.server.grace_s, *tls)
     await server.start()

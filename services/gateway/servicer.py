@@ -11,8 +11,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -26,6 +25,7 @@ from services.common.server import INTERNAL_OPTIONS
 from services.gateway.access_log import AccessLog, Entry
 from services.gateway.admission import Admission, AdmissionConfig, Ticket
 from services.gateway.checks import MAX_REQUEST_ID_CHARS, check_request, check_served
+from services.gateway.context import CallContext, HeadersWithTheResult
 from services.gateway.degrade import CheaperVariant, Degrader
 from services.gateway.image_keys import ImageKeys
 from services.gateway.relay import NotCached, finish_response
@@ -44,17 +44,6 @@ REFUSAL_REASONS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: "rate_limited",
     grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
 }
-
-
-class CallContext(Protocol):
-    """What `GatewayServicer.run` reads of a request's context: a gRPC ServicerContext, or the
-    HTTP door's HttpCall."""
-
-    def invocation_metadata(self) -> Sequence[tuple[str, str | bytes]] | None: ...
-
-    def time_remaining(self) -> float | None: ...
-
-    async def send_initial_metadata(self, metadata: Sequence[tuple[str, str]]) -> None: ...
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -144,7 +133,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         worker = None
         try:
             worker = self.workers.pick()
-            await context.send_initial_metadata(((VARIANT_METADATA_KEY, info.variant), *admitted.headers))
+            # The headers go out with the first answer, not before: a request that fails before it
+            # ends as a gRPC trailers-only response, which a router may retry on another variant
+            # (Envoy's retry_on `unavailable`); one that has streamed tokens is never retried.
+            headers: tuple | None = ((VARIANT_METADATA_KEY, info.variant), *admitted.headers)
             telemetry.annotate(
                 {
                     "model.id": info.model_id,
@@ -158,6 +150,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             serve = self._serve(request, context, request_id, tenant, qos, sampling, worker, ticket, received)
             async with contextlib.aclosing(serve) as outputs:
                 async for out in outputs:
+                    if headers is not None:
+                        await context.send_initial_metadata(headers)
+                        headers = None
                     yield out
         finally:
             if worker is not None:
@@ -285,8 +280,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def GenerateUnary(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         result = gateway_pb2.GenerateResult()
         texts: list[str] = []
+        held = HeadersWithTheResult(context)
         with self.access.request("GenerateUnary", context) as entry:
-            async for msg in self.run(request, context, entry):
+            async for msg in self.run(request, held, entry):
                 entry.relayed(msg)
                 texts.append(msg.text)
                 result.token_ids.extend(msg.token_ids)
@@ -296,4 +292,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     result.usage.CopyFrom(msg.usage)
                     result.timings.CopyFrom(msg.timings)
         result.text = "".join(texts)
+        if held.headers is not None:
+            await context.send_initial_metadata(held.headers)
         return result

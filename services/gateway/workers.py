@@ -95,11 +95,17 @@ class Breaker:
 @dataclass
 class Worker:
     name: str  # its llm's address
-    vision: vision_pb2_grpc.VisionStub
-    llm: llm_pb2_grpc.LlmStub
+    vision_channel: grpc.aio.Channel
+    llm_channel: grpc.aio.Channel
     breaker: Breaker
     in_flight: int = 0
     info: pb.ServiceInfo | None = field(default=None)
+    vision: vision_pb2_grpc.VisionStub = field(init=False)
+    llm: llm_pb2_grpc.LlmStub = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.vision = vision_pb2_grpc.VisionStub(self.vision_channel)
+        self.llm = llm_pb2_grpc.LlmStub(self.llm_channel)
 
     async def llm_info(self) -> pb.ServiceInfo:
         """Its llm's model and limits, fetched once (they cannot change while it runs)."""
@@ -142,12 +148,7 @@ class Workers:
         if len(llms) == 1:
             failures = 2**62  # one worker: nowhere to route around it
         self.all = [
-            Worker(
-                llm.strip(),
-                vision_pb2_grpc.VisionStub(channel(v)),
-                llm_pb2_grpc.LlmStub(channel(llm)),
-                Breaker(llm.strip(), failures, cooldown_s),
-            )
+            Worker(llm.strip(), channel(v), channel(llm), Breaker(llm.strip(), failures, cooldown_s))
             for v, llm in zip(visions, llms, strict=True)
         ]
         self._turn = itertools.count()

@@ -200,7 +200,8 @@ def up(argv: list[str] | None = None) -> int:
             if options.variants:
                 mesh = VariantMesh(options, parse_variants(options.variants), options.envoy_admin_port)
                 mesh.start(_say)
-                print(f"gateway ready on {mesh.target()} (envoy, variants {options.variants})", flush=True)
+                http = f"; OpenAI-compatible HTTP on {mesh.http_url()}" if mesh.http_listen else ""
+                print(f"gateway ready on {mesh.target()} (envoy, variants {options.variants}){http}", flush=True)
             else:
                 mesh = Mesh(options)
                 mesh.start(_say)
@@ -249,8 +250,6 @@ def _checked_options(argv: Sequence[str]) -> MeshOptions:
     if options.variants:
         if options.cuda_mps:
             p.error("--cuda-mps: not with --variants yet (one daemon per GPU, shared by every worker)")
-        if options.gateway.http.port >= 0:
-            p.error("--http-port: not with --variants yet (Envoy routes gRPC only); use a worker's gateway")
         try:
             parse_variants(options.variants)
             envoy_binary()

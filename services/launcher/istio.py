@@ -1,5 +1,5 @@
 """The variants' routing as Istio objects (deploy/mesh/istio.yaml), from the same description
-and settings as the local Envoy's config (services/launcher/routing.py).
+and settings as the local Envoy's config (services/launcher/routing.py, envoy.py).
 
     python -m services.launcher.istio deploy/variants.txt > deploy/mesh/istio.yaml
 
@@ -16,7 +16,15 @@ import sys
 from collections.abc import Sequence
 
 from services.common.config import VARIANT_METADATA_KEY
-from services.launcher.routing import OUTLIER, RETRY_ATTEMPTS, RETRY_ON, Variant, parse_variants
+from services.launcher.routing import (
+    OUTLIER,
+    RETRIABLE_STATUS,
+    RETRY_ATTEMPTS,
+    RETRY_ON,
+    Variant,
+    not_served,
+    parse_variants,
+)
 
 SERVICE = "vlmesh"
 VARIANT_LABEL = "vlmesh.io/variant"
@@ -41,8 +49,10 @@ def _route(subset_weights: Sequence[tuple[str, int | None]]) -> dict:
         if weight is not None:
             d["weight"] = weight
         destinations.append(d)
-    # No timeout of the mesh's own (the client's deadline holds); retries only before a byte went up.
-    return {"route": destinations, "timeout": "0s", "retries": {"attempts": RETRY_ATTEMPTS, "retryOn": RETRY_ON}}
+    # No timeout of the mesh's own (the client's deadline holds); retries as the local Envoy's: never
+    # after an answer started (Istio takes a status code in retryOn as a retriable one).
+    retries = {"attempts": RETRY_ATTEMPTS, "retryOn": f"{RETRY_ON},{RETRIABLE_STATUS}"}
+    return {"route": destinations, "timeout": "0s", "retries": retries}
 
 
 def istio_objects(variants: Sequence[Variant]) -> list[dict]:
@@ -75,13 +85,18 @@ def istio_objects(variants: Sequence[Variant]) -> list[dict]:
         }
         for v in variants
     ]
+    unknown = {
+        "name": "unknown-variant",
+        "match": [{"headers": {VARIANT_METADATA_KEY: {"regex": ".+"}}}],
+        "directResponse": {"status": 404, "body": {"string": not_served(variants)}},
+    }
     shares = percents(variants)
     weighted = {"name": "weighted", **_route([(v.name, shares[v.name]) for v in variants])}
     service = {
         "apiVersion": API,
         "kind": "VirtualService",
         "metadata": {"name": SERVICE},
-        "spec": {"hosts": [SERVICE], "http": [*pinned, weighted]},
+        "spec": {"hosts": [SERVICE], "http": [*pinned, unknown, weighted]},
     }
     return [rule, service]
 

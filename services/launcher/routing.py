@@ -1,19 +1,27 @@
-"""Weighted routing between model variants: one description, rendered as a local Envoy's config
-here and as Istio's VirtualService and DestinationRule in services/launcher/istio.py (deploy/).
+"""Weighted routing between model variants: one description and its settings, rendered as a local
+Envoy's config in services/launcher/envoy.py and as Istio's VirtualService and DestinationRule in
+services/launcher/istio.py (deploy/).
 
 A variant is a set of workers (vision, llm and their gateway) serving one quantization of one
-checkpoint. Requests are split between variants by weight; a request that names a variant in
-`x-model-variant` goes to that variant only. Every other request may fail over: each variant's
-cluster lists the other variants' gateways at a lower priority, so when its own gateway fails
-its health checks (or is ejected by outlier detection) the traffic goes to the rest.
+checkpoint. Requests are split between variants by weight; a request that pins a variant goes to
+that variant only: by the header `x-model-variant: NAME`, or over HTTP by the body's `model` as
+MODEL:NAME (OpenAI clients set no headers; Envoy's json_to_metadata filter reads it). A pin to a
+variant the mesh does not serve is answered NOT_FOUND (404) by Envoy itself, naming those it does.
 
-Retries only when the request cannot have reached a gateway (connect failure, refused or reset
-stream before any byte went up): a retry after that would run generation twice.
+Every other request may fail over: each variant's cluster lists the other variants' gateways at a
+lower priority, so when its own gateway is not ready (its gRPC health for `vlmesh.v1.Gateway`, or
+the HTTP door's /health: NOT_SERVING while its llm or vision is unreachable,
+services/gateway/readiness.py) or is ejected by outlier detection, the traffic goes to the rest.
+A request that failed before its answer started (the gateway died, or refused with gRPC
+UNAVAILABLE as a trailers-only response, HTTP 503; it sends no headers before the first token)
+is retried on another priority, that is another variant; one that has streamed tokens is never
+retried (Envoy cannot once the response has started).
 
-The weights are Envoy runtime values (`routing.variant-NAME`), so `vlmesh route` (Envoy's
-`/runtime_modify`) changes them while it runs, with no restart.
+The weights are Envoy runtime values (`routing.variant-NAME`, and `routing.http-variant-NAME`
+for the HTTP door), so `vlmesh route` (Envoy's `/runtime_modify`) changes them while it runs,
+with no restart.
 
-With TLS (`Tls`), Envoy serves the public port with the mesh's certificate, as a gateway does,
+With TLS (`Tls`), Envoy serves the public ports with the mesh's certificate, as a gateway does,
 and calls the gateways over TLS, trusting the mesh's CA and showing its certificate.
 """
 
@@ -24,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.common.config import QUANTIZATIONS, VARIANT_METADATA_KEY
+from vlmesh.v1 import gateway_pb2
 
 # A variant's name says its weights: full precision, or one of the --quantize kinds.
 KINDS = {"full": "none", **{q: q for q in QUANTIZATIONS if q != "none"}}
@@ -66,14 +75,6 @@ def parse_variants(text: str) -> list[Variant]:
     return variants
 
 
-def _address(host: str, port: int) -> dict:
-    return {"socket_address": {"address": host, "port_value": port}}
-
-
-def _endpoints(hosts: Sequence[tuple[str, int]]) -> list[dict]:
-    return [{"endpoint": {"address": _address(h, p)}} for h, p in hosts]
-
-
 TLS = "envoy.extensions.transport_sockets.tls.v3"
 
 
@@ -85,59 +86,43 @@ class Tls:
     key: str
     ca: str
 
-    def _context(self) -> dict:
+    def _context(self, alpn: Sequence[str]) -> dict:
         return {
             "tls_certificates": [{"certificate_chain": {"filename": self.cert}, "private_key": {"filename": self.key}}],
-            "alpn_protocols": ["h2"],  # gRPC over TLS negotiates HTTP/2 by ALPN (its clients require it)
+            "alpn_protocols": list(alpn),  # gRPC over TLS negotiates HTTP/2 by ALPN (its clients require it)
         }
 
-    def downstream(self) -> dict:
-        context = {"@type": f"type.googleapis.com/{TLS}.DownstreamTlsContext", "common_tls_context": self._context()}
+    def downstream(self, alpn: Sequence[str] = ("h2",)) -> dict:
+        context = {
+            "@type": f"type.googleapis.com/{TLS}.DownstreamTlsContext",
+            "common_tls_context": self._context(alpn),
+        }
         return {"name": "envoy.transport_sockets.tls", "typed_config": context}
 
-    def upstream(self) -> dict:
-        common = {**self._context(), "validation_context": {"trusted_ca": {"filename": self.ca}}}
+    def upstream(self, alpn: Sequence[str] = ("h2",)) -> dict:
+        common = {**self._context(alpn), "validation_context": {"trusted_ca": {"filename": self.ca}}}
         context = {"@type": f"type.googleapis.com/{TLS}.UpstreamTlsContext", "common_tls_context": common}
         return {"name": "envoy.transport_sockets.tls", "typed_config": context}
 
 
-def _cluster(name: str, priorities: Sequence[Sequence[tuple[str, int]]], tls: Tls | None = None) -> dict:
-    return {
-        **({"transport_socket": tls.upstream()} if tls else {}),
-        "name": name,
-        "type": "STATIC",
-        "connect_timeout": "1s",
-        "lb_policy": "ROUND_ROBIN",
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        },
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [{"priority": i, "lb_endpoints": _endpoints(hosts)} for i, hosts in enumerate(priorities)],
-        },
-        # The standard gRPC health service of each gateway: a dead or stalled one is out in ~2 s.
-        "health_checks": [
-            {
-                "timeout": "1s",
-                "interval": "1s",
-                "unhealthy_threshold": 2,
-                "healthy_threshold": 1,
-                "grpc_health_check": {},
-            }
-        ],
-        "outlier_detection": {
-            "consecutive_5xx": OUTLIER.consecutive_5xx,
-            "consecutive_gateway_failure": OUTLIER.consecutive_gateway_errors,
-            "consecutive_local_origin_failure": OUTLIER.consecutive_local_origin_failures,
-            "split_external_local_origin_errors": True,
-            "interval": f"{OUTLIER.interval_s}s",
-            "base_ejection_time": f"{OUTLIER.base_ejection_s}s",
-            "max_ejection_percent": OUTLIER.max_ejection_percent,
-        },
-    }
+# The gateway's readiness: NOT_SERVING while no worker of it can serve (services/gateway/readiness.py).
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+# What Envoy may hold of a request body, to retry it and to read an HTTP request's `model`: the
+# largest request a gateway takes (services/common/server.py's message limit; pictures inline).
+BUFFER_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Health:
+    """Envoy's active health checks of the gateways: a gateway not ready is out within about a second."""
+
+    interval_s: float = 0.5
+    timeout_s: float = 1.0
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 1
+
+
+HEALTH = Health()
 
 
 @dataclass(frozen=True)
@@ -145,7 +130,7 @@ class Outlier:
     """When a gateway is ejected from its variant's pool: Envoy's and Istio's settings alike."""
 
     consecutive_5xx: int = 5
-    consecutive_gateway_errors: int = 3  # 502, 503, 504 and connection failures
+    consecutive_gateway_errors: int = 3  # 502, 503 (gRPC UNAVAILABLE), 504 and connection failures
     consecutive_local_origin_failures: int = 2  # connect errors, resets, timeouts
     interval_s: int = 1
     base_ejection_s: int = 10
@@ -153,102 +138,40 @@ class Outlier:
 
 
 OUTLIER = Outlier()
-# Only what cannot have reached a gateway, so generation never runs twice.
-RETRY_ON = "connect-failure,refused-stream,reset-before-request"
+# Retried: what cannot have reached a gateway; a gateway that died (reset) or refused because
+# its worker is down (gRPC UNAVAILABLE, trailers-only; HTTP 503) before its answer started. The
+# gateway sends its headers with the first token, and Envoy never retries once headers went
+# downstream: an answer the client has begun to read is never run again.
+NOT_SENT = "connect-failure,refused-stream,reset-before-request"
+RETRY_ON = "connect-failure,refused-stream,reset,unavailable"
+RETRIABLE_STATUS = 503
 RETRY_ATTEMPTS = 2
-RETRY_POLICY = {
-    "retry_on": RETRY_ON,
-    "num_retries": RETRY_ATTEMPTS,
-    "retry_host_predicate": [
-        {
-            "name": "envoy.retry_host_predicates.previous_hosts",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
-            },
-        }
-    ],
-    "host_selection_retry_max_attempts": 3,
-}
+MAX_RETRIES_IN_FLIGHT = 1024  # Envoy's default limit of connections and requests per pool alike
 
 
-Address = tuple[str, int]
-HCM = "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-HCM_FILTER = "envoy.filters.network.http_connection_manager"
+def not_served(variants: Sequence[Variant]) -> str:
+    """What Envoy answers a pin to a variant the mesh does not serve."""
+    served = ", ".join(v.name for v in variants)
+    return f"this mesh serves no such variant: it serves {served} (pin one with {VARIANT_METADATA_KEY}: NAME)"
 
 
-def envoy_config(
-    variants: Sequence[Variant],
-    gateways: Mapping[str, Address],
-    listen: Address,
-    admin: Address,
-    tls: Tls | None = None,
-) -> dict:
-    """Envoy's bootstrap: a gRPC listener on `listen` routing to each variant's gateway (`gateways`
-    by name), the weights in the runtime, the admin interface on `admin`; TLS on both sides with `tls`."""
-    route = {"timeout": "0s", "max_stream_duration": {"grpc_timeout_header_max": "0s"}}  # the client's deadline
-    routes = [
-        {
-            "match": {"prefix": "/", "headers": [{"name": VARIANT_METADATA_KEY, "string_match": {"exact": v.name}}]},
-            "route": {**route, "cluster": f"pinned-{v.name}", "retry_policy": RETRY_POLICY},
-        }
-        for v in variants
-    ]
-    routes.append(
-        {
-            "match": {"prefix": "/"},
-            "route": {
-                **route,
-                "weighted_clusters": {
-                    "clusters": [{"name": v.cluster, "weight": v.weight} for v in variants],
-                    "runtime_key_prefix": RUNTIME_PREFIX,
-                },
-                "retry_policy": RETRY_POLICY,
-            },
-        }
-    )
-    clusters = []
-    for v in variants:
-        others = [gateways[o.name] for o in variants if o.name != v.name]
-        clusters.append(_cluster(v.cluster, [[gateways[v.name]], others], tls))  # fail over to the others
-        clusters.append(_cluster(f"pinned-{v.name}", [[gateways[v.name]]], tls))  # a pin never moves
-    manager = {
-        "@type": f"type.googleapis.com/{HCM}",
-        "stat_prefix": "vlmesh",
-        "codec_type": "AUTO",
-        "route_config": {"name": "variants", "virtual_hosts": [{"name": "vlmesh", "domains": ["*"], "routes": routes}]},
-        "http_filters": [
-            {
-                "name": "envoy.filters.http.router",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
-            }
-        ],
-    }
-    return {
-        "admin": {"address": _address(*admin)},
-        "layered_runtime": {
-            "layers": [
-                {"name": "weights", "static_layer": {f"{RUNTIME_PREFIX}.{v.cluster}": v.weight for v in variants}},
-                {"name": "admin", "admin_layer": {}},
-            ]
-        },
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "grpc",
-                    "address": _address(*listen),
-                    "filter_chains": [
-                        {
-                            "filters": [{"name": HCM_FILTER, "typed_config": manager}],
-                            **({"transport_socket": tls.downstream()} if tls else {}),
-                        }
-                    ],
-                }
-            ],
-            "clusters": clusters,
-        },
-    }
+def runtime_keys(name: str) -> tuple[str, str]:
+    """The runtime keys of variant `name`'s weight: its gRPC cluster's and its HTTP cluster's."""
+    return f"{RUNTIME_PREFIX}.variant-{name}", f"{RUNTIME_PREFIX}.http-variant-{name}"
 
 
-def runtime_update(weights: Mapping[str, int]) -> dict[str, str]:
-    """The `/runtime_modify` query that sets new weights, by variant name."""
-    return {f"{RUNTIME_PREFIX}.variant-{name}": str(w) for name, w in weights.items()}
+def runtime_update(weights: Mapping[str, int], as_text: bool = True) -> dict:
+    """The runtime values that set these weights, by variant name (text: the `/runtime_modify` query)."""
+    return {key: str(w) if as_text else w for name, w in weights.items() for key in runtime_keys(name)}
+
+
+def served_variants(runtime: Mapping[str, object]) -> dict[str, int]:
+    """The variants a running Envoy routes to, with their weights, from its `/runtime` entries."""
+    out = {}
+    for key, entry in runtime.items():
+        m = re.fullmatch(rf"{RUNTIME_PREFIX}\.variant-([a-z0-9]+)", key)
+        if m:
+            value = entry.get("final_value") if isinstance(entry, Mapping) else entry
+            out[m.group(1)] = int(str(value))
+    order = list(KINDS)
+    return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))

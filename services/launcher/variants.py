@@ -18,16 +18,18 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from services.launcher.envoy import HttpDoor, envoy_config
 from services.launcher.options import MeshOptions
 from services.launcher.ports import MeshError, RunDir, free_port
 from services.launcher.process import signals_held, spawn
 from services.launcher.restarts import TICK_S, Watch
-from services.launcher.routing import Tls, Variant, envoy_config, runtime_update
+from services.launcher.routing import Tls, Variant, runtime_update, served_variants
 from services.launcher.supervisor import Mesh
 
 COST = {"int4": 0, "int8": 1, "none": 2}  # by --quantize: the bytes a variant reads per weight
@@ -50,6 +52,10 @@ def variant_options(opts: MeshOptions, variant: Variant) -> MeshOptions:
         metrics = server.metrics_port if server.metrics_port < 0 else 0
         return dataclasses.replace(server, port=0, metrics_port=metrics)
 
+    gateway = dataclasses.replace(opts.gateway, server=free(opts.gateway.server))
+    if gateway.http.port >= 0:  # Envoy's HTTP listener takes the public --http-port
+        gateway = dataclasses.replace(gateway, http=dataclasses.replace(gateway.http, port=0))
+
     llm = dataclasses.replace(
         opts.llm,
         server=free(opts.llm.server),
@@ -58,7 +64,7 @@ def variant_options(opts: MeshOptions, variant: Variant) -> MeshOptions:
     )
     return dataclasses.replace(
         opts,
-        gateway=dataclasses.replace(opts.gateway, server=free(opts.gateway.server)),
+        gateway=gateway,
         vision=dataclasses.replace(opts.vision, server=free(opts.vision.server)),
         llm=llm,
     )
@@ -80,12 +86,20 @@ class VariantMesh:
         self.tls = Tls(server.tls_cert, server.tls_key, server.tls_ca) if server.tls_cert else None
         # Port 0: a free one now (Envoy does not report the ports it binds).
         self.listen = (server.host, server.port or free_port(server.host))
+        http_port = opts.gateway.http.port
+        self.http_listen = (server.host, http_port or free_port(server.host)) if http_port >= 0 else None
         self.admin = (server.host, admin_port or free_port(server.host))
         self.envoy: subprocess.Popen | None = None
 
     def target(self) -> str:
         """The public HOST:PORT (Envoy's listener)."""
         return f"{self.listen[0]}:{self.listen[1]}"
+
+    def http_url(self) -> str:
+        """The OpenAI-compatible base URL through Envoy (https with TLS); MeshError without --http-port."""
+        if self.http_listen is None:
+            raise MeshError("the mesh serves no HTTP (--http-port -1)")
+        return f"{'https' if self.tls else 'http'}://{self.http_listen[0]}:{self.http_listen[1]}/v1"
 
     def gateway(self, name: str) -> str:
         """Variant `name`'s own gateway, HOST:PORT."""
@@ -102,23 +116,32 @@ class VariantMesh:
                 gateway = dataclasses.replace(mesh.opts.gateway, degrade_target=target, degrade_variant=cheapest.name)
                 mesh.opts = dataclasses.replace(mesh.opts, gateway=gateway)
             mesh.start(progress=lambda msg, name=v.name: progress(f"{name}: {msg}"))
+            http = f", OpenAI-compatible HTTP on {mesh.http_url()}" if mesh.http_port else ""
+            progress(f"{v.name}: its own gateway serves on {mesh.target('gateway')}{http}")
         if not envoy:
             return
-        gateways = {}
-        for name in self.meshes:
+        gateways, doors = {}, {}
+        for name, mesh in self.meshes.items():
             host, port = self.gateway(name).rsplit(":", 1)
             gateways[name] = (host, int(port))
+            if mesh.http_port:
+                doors[name] = (host, mesh.http_port)
         config = self._run.path / "envoy.json"
-        bootstrap = envoy_config(self.variants, gateways, self.listen, self.admin, self.tls)
+        http = HttpDoor(self.http_listen, doors) if self.http_listen else None
+        bootstrap = envoy_config(self.variants, gateways, self.listen, self.admin, self.tls, http)
         config.write_text(json.dumps(bootstrap, indent=1))
         # No hot restart: it needs a shared-memory region per Envoy, and nothing here restarts it.
-        cmd = [envoy_binary(), "-c", str(config), "--log-level", "warning", "--disable-hot-restart"]
+        # main:error: keeps out Envoy's warnings at start (no downstream connection limit) and at SIGTERM.
+        cmd = [envoy_binary(), "-c", str(config), "--log-level", "warning", "--component-log-level", "main:error"]
+        cmd.append("--disable-hot-restart")
         with signals_held():
             self.envoy = spawn(cmd, {})
         self._wait_envoy(time.monotonic() + 30)
         split = ", ".join(f"{v.name} {v.weight}" for v in self.variants)
         tls = f"TLS, CA {self.tls.ca}; " if self.tls else ""
-        progress(f"envoy routing on {self.target()} ({tls}weights {split}; admin on {self.admin[0]}:{self.admin[1]})")
+        http = f" and {self.http_url()}" if self.http_listen else ""
+        admin = f"admin on {self.admin[0]}:{self.admin[1]}"
+        progress(f"envoy routing on {self.target()}{http} ({tls}weights {split}; {admin})")
 
     def _wait_envoy(self, deadline: float) -> None:
         while True:
@@ -178,14 +201,47 @@ class VariantMesh:
         self.stop()
 
 
-def set_weights(admin: str, weights: Mapping[str, int]) -> None:
-    """POST the new weights to an Envoy admin interface (HOST:PORT); MeshError when it refuses."""
+def set_weights(admin: str, weights: Mapping[str, int]) -> dict[str, int]:
+    """Set new weights on an Envoy admin interface (HOST:PORT) and return them as read back from it.
+    MeshError when it cannot be reached, when `weights` name a variant the mesh does not serve or
+    leave one out, or when Envoy did not take them."""
+    check_weights(runtime_weights(admin), weights)
     query = urllib.parse.urlencode(runtime_update(weights))
-    req = urllib.request.Request(f"http://{admin}/runtime_modify?{query}", method="POST")
+    _admin(admin, f"/runtime_modify?{query}", method="POST")
+    after = runtime_weights(admin)
+    if after != dict(weights):
+        raise MeshError(f"envoy at {admin} did not take the weights: it routes by {after}")
+    return after
+
+
+def check_weights(served: Mapping[str, int], weights: Mapping[str, int]) -> None:
+    """MeshError unless `weights` give each variant the mesh serves (`served`) a weight, and no other."""
+    if unknown := [name for name in weights if name not in served]:
+        raise MeshError(
+            f"the mesh serves {', '.join(served)}; it has no {', '.join(unknown)} (new variants need a new mesh)"
+        )
+    if missing := [name for name in served if name not in weights]:
+        raise MeshError(f"give every variant a weight: {', '.join(missing)} missing (0 sends it nothing)")
+    if not any(weights.values()):
+        raise MeshError("the weights add up to 0")
+
+
+def runtime_weights(admin: str) -> dict[str, int]:
+    """The variants an Envoy admin interface (HOST:PORT) routes to, with their weights now."""
+    entries = json.loads(_admin(admin, "/runtime")).get("entries", {})
+    weights = served_variants(entries)
+    if not weights:
+        raise MeshError(f"{admin} is an Envoy admin without variant weights: not a `vlmesh up --variants` mesh?")
+    return weights
+
+
+def _admin(admin: str, path: str, method: str = "GET") -> str:
+    req = urllib.request.Request(f"http://{admin}{path}", method=method)
     try:
         with urllib.request.urlopen(req, timeout=5) as resp:
-            if resp.status != 200:
-                raise MeshError(f"envoy's admin at {admin} answered {resp.status}")
+            return resp.read().decode()
+    except urllib.error.HTTPError as err:
+        raise MeshError(f"envoy's admin at {admin} answered {err.code} to {path}") from err
     except OSError as err:
         raise MeshError(f"envoy's admin at {admin} is not reachable: {err}") from err
 
@@ -198,7 +254,8 @@ def route_main(argv: list[str]) -> int:
     p = CliParser(
         prog="vlmesh route",
         description="Set the weights of a running `vlmesh up --variants` mesh through Envoy's runtime; "
-        "the next requests follow them, the ones in flight finish where they are.",
+        "the next requests follow them (gRPC and HTTP alike), the ones in flight finish where they are. "
+        "Every variant the mesh serves needs a weight; the weights are read back from Envoy.",
     )
     p.add_argument("weights", metavar="NAME=WEIGHT,...", help="the new weights, e.g. full=90,int8=10")
     p.add_argument("--admin", default="127.0.0.1:9901", help="Envoy's admin HOST:PORT (default %(default)s)")
@@ -207,6 +264,10 @@ def route_main(argv: list[str]) -> int:
         variants = parse_variants(args.weights)
     except ValueError as err:
         p.error(str(err))
-    set_weights(args.admin, {v.name: v.weight for v in variants})
-    print(f"vlmesh route: weights now {', '.join(f'{v.name} {v.weight}' for v in variants)}")
+    try:
+        now = set_weights(args.admin, {v.name: v.weight for v in variants})
+    except MeshError as err:
+        print(f"vlmesh route: error: {err}", file=sys.stderr)
+        return 1
+    print(f"vlmesh route: weights now {', '.join(f'{v.name} {now[v.name]}' for v in variants)} (read back from envoy)")
     return 0

@@ -37,7 +37,6 @@ BAD = {
     "max_tokens 0": (request(sampling=pb.SamplingParams(max_tokens=0)), "max_tokens=0 is out of range"),
     "max_tokens above context": (request(sampling=pb.SamplingParams(max_tokens=100000)), "context"),
     "max_tokens beyond prompt room": (request(sampling=pb.SamplingParams(max_tokens=500)), "does not fit"),
-    "unknown model": (request(model="gpt-17"), "not served here"),
     "non-image mime type": (request(images=[pb.Image(data=GOOD_IMAGE, mime_type="text/plain")]), "not an image/*"),
     "negative temperature": (request(sampling=pb.SamplingParams(max_tokens=4, temperature=-1)), "temperature"),
     "top_p zero": (request(sampling=pb.SamplingParams(max_tokens=4, top_p=0)), "top_p"),
@@ -68,6 +67,22 @@ def test_invalid_argument(mesh, channel, case):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
         assert needle in info.value.details()
     good_request_works(stub)
+
+
+def test_an_unknown_model_or_variant_is_not_found(channel):
+    """As OpenAI's model_not_found: NOT_FOUND naming what is served (MODEL, or MODEL:VARIANT to pin)."""
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    served = stub.Info(pb.InfoRequest(), timeout=10).model_id
+    for model, needle in [
+        ("gpt-17", f"'gpt-17' does not exist; this mesh serves {served!r} (or '{served}:full')"),
+        (f"{served}:int4", "that variant is not served here; this worker serves"),
+    ]:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GenerateUnary(request(model=model), timeout=30)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value.details()
+        assert needle in info.value.details()
+    for model in (served, f"{served}:full"):
+        assert stub.GenerateUnary(request(model=model), timeout=30).finish_reason
 
 
 def test_unknown_qos_level(channel):

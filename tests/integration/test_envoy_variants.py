@@ -1,18 +1,25 @@
-"""Two real variants of the demo model (full and int8) behind a real Envoy: `vlmesh up --variants`,
-with a throwaway CA: TLS from the client to Envoy and from Envoy to the gateways, mTLS inside
-each worker and on the degradation's relay between the variants' gateways."""
+"""Two real variants of the demo model (full and int8) behind a real Envoy: `vlmesh up --variants
+--http-port`, with a throwaway CA: TLS from the client to Envoy and from Envoy to the gateways,
+mTLS inside each worker and on the degradation's relay between the variants' gateways. Both doors:
+gRPC, and the OpenAI one through the official client. Failover: each variant's llm, vision and
+gateway killed under load."""
 
 from __future__ import annotations
 
+import base64
 import signal
+import ssl
 import threading
 import time
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
+import openai
 import pytest
 
 from services.common.qos import QosLevel
@@ -39,6 +46,7 @@ def variants():
         warmup_requests=1,
         variants="full=70,int8=30",
         envoy_admin_port=0,
+        http_port=0,
         max_in_flight={QosLevel.BEST_EFFORT: 1},
         tls_throwaway_ca=True,
     )
@@ -52,6 +60,14 @@ def stub(variants):
     creds = grpc.ssl_channel_credentials(Path(variants.tls.ca).read_bytes())
     with grpc.secure_channel(variants.target(), creds) as channel:
         yield gateway_pb2_grpc.GatewayStub(channel)
+
+
+@pytest.fixture(scope="module")
+def client(variants):
+    """The official OpenAI client on Envoy's HTTP door, trusting the mesh's CA; no retries of its own."""
+    http = httpx.Client(verify=ssl.create_default_context(cafile=variants.tls.ca), timeout=60)
+    with openai.OpenAI(base_url=variants.http_url(), api_key="none", max_retries=0, http_client=http) as c:
+        yield c
 
 
 def test_envoy_serves_tls_only(variants):
@@ -137,39 +153,200 @@ def test_best_effort_work_over_the_full_variants_queue_is_served_by_the_cheaper_
     assert 'vlmesh_degradations_total{kind="variant",qos_level="best-effort"} 1.0' in text
 
 
-def test_a_killed_gateway_is_ejected_and_the_other_variant_serves(variants, stub):
-    """SIGKILL of the full variant's gateway mid-run: every request ends with an answer or a
-    status, and once Envoy has seen it fail, the requests go to int8."""
-    results: list[tuple[float, float, str]] = []  # start, end, what it ended with
+# ---- the OpenAI door behind the split ----
+
+DATA_URL = f"data:image/png;base64,{base64.b64encode(PICTURE).decode()}"
+MESSAGES = [
+    {
+        "role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": DATA_URL}}, {"type": "text", "text": "What?"}],
+    }
+]
+
+
+def chat(client, model: str = "demo", **kw) -> str:
+    """One answer through Envoy's HTTP door: the variant that served it, or the error's class name."""
+    try:
+        raw = client.chat.completions.with_raw_response.create(model=model, messages=MESSAGES, max_tokens=1, **kw)
+    except openai.APIError as err:
+        FAILURES.append(f"HTTP {type(err).__name__}: {err}")
+        return type(err).__name__
+    raw.parse()
+    return raw.headers["x-model-variant"]
+
+
+def test_the_openai_client_through_the_split_70_30(client):
+    with ThreadPoolExecutor(8) as pool:
+        served = Counter(pool.map(lambda _: chat(client), range(1000)))
+    print("split over HTTP:", dict(served))
+    assert set(served) == {"full", "int8"}, served
+    assert 650 <= served["full"] <= 750 and 250 <= served["int8"] <= 350  # within 5 points of 70/30
+
+
+def test_the_openai_client_pins_a_variant_by_model_or_header(client):
+    assert {chat(client, model="demo:int8") for _ in range(20)} == {"int8"}
+    assert {chat(client, model="demo:full") for _ in range(20)} == {"full"}
+    assert {chat(client, extra_headers={"x-model-variant": "int8"}) for _ in range(10)} == {"int8"}
+
+
+def test_a_pin_to_a_variant_the_mesh_lacks_is_not_found_by_envoy(client, stub):
+    for pin in ({"model": "demo:int4"}, {"extra_headers": {"x-model-variant": "int4"}}):
+        with pytest.raises(openai.NotFoundError) as err:
+            client.chat.completions.create(messages=MESSAGES, max_tokens=1, **{"model": "demo", **pin})
+        assert err.value.code == "model_not_found" and "it serves full, int8" in err.value.message
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.GenerateUnary(
+            gateway_pb2.GenerateRequest(images=[pb.Image(data=PICTURE)], prompt="What?"),
+            metadata=(("x-model-variant", "int4"),),
+            timeout=30,
+        )
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "this mesh serves no such variant: it serves full, int8" in refused.value.details()
+
+
+# ---- failover: a worker's process killed under load, through either door ----
+
+
+@dataclass
+class Outcome:
+    start: float
+    end: float
+    variant: str | None  # who answered (None: no answer began)
+    tokens: int  # tokens the client had received when it ended
+    error: str | None  # the status it ended with, if not OK
+
+
+def grpc_once(stub) -> Outcome:
+    req = gateway_pb2.GenerateRequest(
+        images=[pb.Image(data=PICTURE)], prompt="What?", sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True)
+    )
+    start, variant, tokens = time.monotonic(), None, 0
+    call = stub.Generate(req, timeout=30)
+    try:
+        for msg in call:
+            variant = variant or dict(call.initial_metadata()).get("x-model-variant")
+            tokens += len(msg.token_ids)
+    except grpc.RpcError as err:
+        return Outcome(start, time.monotonic(), variant, tokens, f"{err.code().name}: {err.details()}")
+    return Outcome(start, time.monotonic(), variant, tokens, None)
+
+
+def http_once(client) -> Outcome:
+    start, variant, tokens = time.monotonic(), None, 0
+    try:
+        raw = client.chat.completions.with_raw_response.create(
+            model="demo", messages=MESSAGES, max_tokens=8, stream=True, extra_body={"ignore_eos": True}
+        )
+        variant = raw.headers["x-model-variant"]
+        for chunk in raw.parse():
+            tokens += bool(chunk.choices and chunk.choices[0].delta.content)
+    except openai.APIError as err:
+        return Outcome(start, time.monotonic(), variant, tokens, f"{type(err).__name__}: {err}")
+    return Outcome(start, time.monotonic(), variant, tokens, None)
+
+
+def cluster_health(variants: VariantMesh) -> dict[str, str]:
+    """Envoy's view of each gRPC and HTTP cluster's own (priority 0) gateway: its health flags."""
+    admin = f"http://{variants.admin[0]}:{variants.admin[1]}/clusters"
+    with urllib.request.urlopen(admin, timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    own = {f"{prefix}variant-{v}": variants.gateway(v) for v in variants.meshes for prefix in ("", "http-")}
+    for v, mesh in variants.meshes.items():
+        own[f"http-variant-{v}"] = f"{mesh.configs['gateway'].server.host}:{mesh.http_port}"
+    flags = {}
+    for line in lines:
+        cluster, _, rest = line.partition("::")
+        if cluster in own and rest.startswith(f"{own[cluster]}::health_flags::"):
+            flags[cluster] = rest.rsplit("::", 1)[1]
+    return flags
+
+
+def ejected_within(variants: VariantMesh, cluster: str, timeout_s: float) -> float | None:
+    """Seconds until Envoy marks `cluster`'s own gateway failed (None: not within `timeout_s`)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if "failed" in cluster_health(variants).get(cluster, ""):
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return None
+
+
+def healthy_again(variants: VariantMesh, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (flags := cluster_health(variants)) and any(f != "healthy" for f in flags.values()):
+        assert time.monotonic() < deadline, f"envoy still sees {flags}"
+        time.sleep(0.2)
+
+
+def kill_under_load(
+    variants: VariantMesh, variant: str, service: str, door: str, once
+) -> tuple[list[Outcome], float, float | None]:
+    """Four clients in a loop; SIGKILL `variant`'s `service` 2 s in; 6 s more. (outcomes, when it
+    was killed, seconds until Envoy marked that variant's gateway failed); then the process is
+    started again and Envoy sees every gateway healthy before this returns."""
+    outcomes: list[Outcome] = []
     stop = threading.Event()
 
     def load() -> None:
         while not stop.is_set():
-            start = time.monotonic()
-            served = ask(stub)
-            results.append((start, time.monotonic(), served))
+            outcomes.append(once())
 
-    workers = [threading.Thread(target=load) for _ in range(4)]
-    for w in workers:
-        w.start()
+    clients = [threading.Thread(target=load) for _ in range(4)]
+    for c in clients:
+        c.start()
     time.sleep(2)
-    gateway = next(c for c in variants.meshes["full"].children if c.name == "gateway")
+    mesh = variants.meshes[variant]
+    child = next(c for c in mesh.children if c.name == service)
     killed_at = time.monotonic()
-    gateway.proc.send_signal(signal.SIGKILL)
-    time.sleep(8)
+    child.proc.send_signal(signal.SIGKILL)
+    cluster = f"{'http-' if door == 'http' else ''}variant-{variant}"
+    ejected = ejected_within(variants, cluster, 10) if service != "gateway" else 0.0
+    time.sleep(max(0.0, killed_at + 6 - time.monotonic()))
     stop.set()
-    for w in workers:
-        w.join(60)
-    before = Counter(r for s, e, r in results if e < killed_at)
-    in_flight = Counter(r for s, e, r in results if s <= killed_at <= e)
-    settling = Counter(r for s, e, r in results if killed_at < s < killed_at + 3)
-    after = Counter(r for s, e, r in results if s >= killed_at + 3)
+    for c in clients:
+        c.join(60)
+    child.proc.wait()
+    mesh.respawn(child)
+    healthy_again(variants)
+    return outcomes, killed_at, ejected
+
+
+@pytest.mark.parametrize("service", ["llm", "vision"])
+@pytest.mark.parametrize("variant", ["full", "int8"])
+@pytest.mark.parametrize("door", ["grpc", "http"])
+def test_a_dead_llm_or_vision_fails_over_with_no_error_before_a_token(variants, stub, client, door, variant, service):
+    """Issue 40: a worker whose llm or vision dies behind a live gateway stops getting traffic: its
+    gateway turns not ready (its peers' health), Envoy's health checks take it out, and a request
+    that failed there before its first token is retried on the other variant. Only a request that
+    had already streamed tokens may fail; none that starts 2 s after the kill does."""
+    once = (lambda: grpc_once(stub)) if door == "grpc" else (lambda: http_once(client))
+    outcomes, killed_at, ejected = kill_under_load(variants, variant, service, door, once)
+    errors = [(o.tokens, o.error) for o in outcomes if o.error]
+    served = dict(Counter(o.variant for o in outcomes))
     print(
-        f"{len(results)} requests: before the kill {dict(before)}, in flight at it {dict(in_flight)}, "
-        f"the 3 s after {dict(settling)}, then {dict(after)}; statuses other than OK: {dict(Counter(FAILURES))}"
+        f"{door}, {variant}'s {service} killed: {len(outcomes)} requests, served {served}, Envoy marked its "
+        f"gateway failed {ejected} s after the kill; errors (tokens received first, status): {errors}"
     )
-    assert set(before) == {"full", "int8"}
-    # A request on the killed gateway ends with a status (UNAVAILABLE before its headers, INTERNAL
-    # after: Envoy resets the stream); none is lost, and no other status appears.
-    assert set(in_flight) | set(settling) <= {"full", "int8", "UNAVAILABLE", "INTERNAL"}
-    assert after and set(after) == {"int8"}, after
+    assert ejected is not None, "Envoy never marked the gateway of a worker without its llm or vision failed"
+    assert not [o for o in outcomes if o.error and o.tokens == 0], "a request failed before any token: not retried"
+    assert not [o for o in outcomes if o.error and o.start > killed_at + 2], (
+        "a request started 2 s after the kill failed"
+    )
+    other = "int8" if variant == "full" else "full"
+    assert any(o.variant == other and o.start > killed_at + 2 for o in outcomes)
+
+
+def test_a_killed_gateway_is_ejected_and_the_other_variant_serves(variants, stub):
+    """SIGKILL of the full variant's gateway mid-run: every request ends with an answer or a
+    status, and once Envoy has seen it fail, the requests go to int8; then it is started again."""
+    outcomes, killed_at, _ = kill_under_load(variants, "full", "gateway", "grpc", lambda: grpc_once(stub))
+    in_flight = [o for o in outcomes if o.start <= killed_at <= o.end]
+    after = [o for o in outcomes if o.start >= killed_at + 3]
+    print(
+        f"{len(outcomes)} requests; in flight at the kill {[(o.variant, o.tokens, o.error) for o in in_flight]}; "
+        f"after 3 s {dict(Counter(o.variant for o in after))}"
+    )
+    # A request on the killed gateway ends with a status once it had tokens (Envoy resets the
+    # stream: INTERNAL or UNAVAILABLE); before its first token Envoy retries it on int8.
+    assert not [o for o in outcomes if o.error and o.tokens == 0]
+    assert after and {o.variant for o in after} == {"int8"} and not any(o.error for o in after)

@@ -161,8 +161,8 @@ def test_over_the_quota_is_a_rate_limit_error_with_retry_after(mesh):
 @pytest.mark.parametrize(
     ("url", "needle"),
     [
-        ("data:image/png;base64,AAAA", "messages.0.content.0.image_url.url: (3 bytes) is not a readable image"),
-        ("data:image/png;base64,@@@", "messages.0.content.0.image_url.url: the data: URL is not valid base64"),
+        ("data:image/png;base64,AAAA", "messages[0].content[0].image_url.url: (3 bytes) is not a readable image"),
+        ("data:image/png;base64,@@@", "messages[0].content[0].image_url.url: the data: URL is not valid base64"),
         ("data:text/plain;base64,aGk=", "is not an image"),
         ("http://127.0.0.1:1/cat.png", "this server does not fetch image URLs"),
         ("file:///etc/passwd", "give a data: URL (base64) or an http(s) URL"),
@@ -191,6 +191,49 @@ def test_what_this_server_cannot_honour_is_refused_by_name(client, extra, param)
     assert err.value.body["param"] == param
 
 
+def test_errors_speak_of_the_http_request_not_the_grpc_one(mesh, client):
+    """Issue 40: OpenAI's field names in message and `param`, headers not metadata, one path style,
+    and a refusal that names a field without echoing its value."""
+    _, url = picture(18)
+    base = mesh.http_url()
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=ask(url, "What shape is it?"), max_tokens=100000)
+    assert err.value.body["message"].startswith("max_tokens=100000 is out of range")
+    assert err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=ask(url, "What?"), temperature=-1)
+    assert err.value.body["message"].startswith("temperature=-1") and err.value.body["param"] == "temperature"
+    r = httpx.post(f"{base}/chat/completions", json={"model": "demo", "messages": ask(url, "hi")})
+    assert r.status_code == 401 and r.json()["error"]["message"] == "missing 'Authorization: Bearer <API key>' header"
+    headers = {"authorization": f"Bearer {KEY}"}
+    bad_part = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "txt"}]}]
+    r = httpx.post(f"{base}/chat/completions", json={"messages": bad_part}, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages[0].content[1]"), r.json()
+    # The gateway's own checks (services/common/validation.py) name their field too.
+    r = httpx.post(f"{base}/chat/completions", json={"messages": ask(url, "")}, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.json()
+    system_image = [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+    r = httpx.post(
+        f"{base}/chat/completions",
+        json={"messages": [*system_image, {"role": "user", "content": "Hi"}]},
+        headers=headers,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0]", r.json()
+    tools = [{"type": "function", "function": {"name": "secret_tool_name", "parameters": {"x": "y" * 100}}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=ask(url, "What?"), tools=tools)
+    assert err.value.body["message"] == "tools is not supported by this server"
+
+
+def test_an_unknown_model_is_openais_model_not_found(client):
+    _, url = picture(19)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-17", messages=ask(url, "What shape is it?"))
+    body = err.value.body
+    assert (body["code"], body["type"], body["param"]) == ("model_not_found", "invalid_request_error", "model")
+    assert "'gpt-17' does not exist; this mesh serves 'demo'" in body["message"]
+
+
 def test_other_refusals_keep_the_openai_shape(mesh):
     base = mesh.http_url()
     headers = {"authorization": f"Bearer {KEY}"}
@@ -209,12 +252,15 @@ def test_other_refusals_keep_the_openai_shape(mesh):
     assert r.status_code == 400 and r.json()["error"]["message"] == "messages: one image is required (image_url parts)"
 
 
-def test_models_health_and_metrics(mesh):
+def test_models_health_and_metrics(mesh, client):
     base = mesh.http_url()
     models = httpx.get(f"{base}/models").json()
     assert models["object"] == "list" and [(m["id"], m["variant"]) for m in models["data"]] == [("demo", "full")]
     assert httpx.get(base.removesuffix("/v1") + "/health").json() == {"status": "ok"}
-    page = httpx.get(base.removesuffix("/v1") + "/metrics").text
+    # The door's requests are counted on the gateway's one /metrics (its --metrics-port), not served again here.
+    client.chat.completions.create(model="demo", messages=ask(picture(13)[1], "What is in the image?"), max_tokens=2)
+    assert httpx.get(base.removesuffix("/v1") + "/metrics").status_code == 404
+    page = scrape(mesh.metrics_ports["gateway"])
     assert 'vlmesh_requests_total{code="OK",method="ChatCompletions",service="gateway"}' in page
 
 

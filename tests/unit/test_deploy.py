@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services.launcher.envoy import envoy_config
 from services.launcher.istio import VARIANT_LABEL, percents, render
-from services.launcher.routing import RUNTIME_PREFIX, envoy_config, parse_variants
+from services.launcher.routing import RUNTIME_PREFIX, parse_variants
 from services.launcher.variants import COST
 from tests.helpers import ROOT
 
@@ -132,7 +133,8 @@ def test_the_istio_objects_validate_against_cloudcoils_models_with_no_unknown_fi
     (vs,) = [d for d in istio if d["kind"] == "VirtualService"]
     deep = yaml.safe_load(yaml.safe_dump(vs))
     deep["spec"]["http"][-1]["route"][0]["destination"]["subsett"] = "x"
-    assert unknown_fields(v1.VirtualService, deep) == [".spec.http[2].route[0].destination.subsett"]
+    last = len(deep["spec"]["http"]) - 1
+    assert unknown_fields(v1.VirtualService, deep) == [f".spec.http[{last}].route[0].destination.subsett"]
 
 
 def test_the_committed_istio_yaml_is_what_variants_txt_renders():
@@ -176,9 +178,13 @@ def test_weights_subsets_and_labels_agree_everywhere(everything):
     routes = service["spec"]["http"]
     pins = {
         r["match"][0]["headers"]["x-model-variant"]["exact"]: r["route"][0]["destination"]["subset"]
-        for r in routes[:-1]
+        for r in routes
+        if r["name"].startswith("pinned-")
     }
     assert pins == {n: n for n in names}
+    # A pin to a variant not served is answered 404 by the proxy, before the weights.
+    (unknown,) = [r for r in routes if "directResponse" in r]
+    assert unknown["directResponse"]["status"] == 404 and routes.index(unknown) == len(routes) - 2
     weights = {d["destination"]["subset"]: d["weight"] for d in routes[-1]["route"]}
     assert weights == percents(VARIANTS) and sum(weights.values()) == 100
     # The local Envoy, from the same description: the same split, the same pins.
@@ -187,7 +193,9 @@ def test_weights_subsets_and_labels_agree_everywhere(everything):
     layer = envoy["layered_runtime"]["layers"][0]["static_layer"]
     total = sum(v.weight for v in VARIANTS)
     for v in VARIANTS:
-        assert layer[f"{RUNTIME_PREFIX}.variant-{v.name}"] == v.weight
+        assert (
+            layer[f"{RUNTIME_PREFIX}.variant-{v.name}"] == layer[f"{RUNTIME_PREFIX}.http-variant-{v.name}"] == v.weight
+        )
         assert abs(100 * v.weight / total - weights[v.name]) < 1
     # The Service reaches every variant's pods (the subsets choose among them).
     (svc,) = by_kind["Service"]

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP routes: /v1/chat/completions, /v1/models, /health, /metrics.
+"""The OpenAI-compatible HTTP routes: /v1/chat/completions, /v1/models, /health. (Metrics are on
+the gateway's --metrics-port alone: one /metrics per process, so a scrape counts each request once.)
 
 A chat request goes through the gRPC servicer's own path (`GatewayServicer.run`: tenants,
 qos-level, admission, vision, llm), with an `HttpCall` standing in for the gRPC context:
@@ -30,15 +31,10 @@ from services.common import metrics, telemetry
 from services.common.config import DEGRADED_METADATA_KEY, VARIANT_METADATA_KEY
 from services.common.errors import MeshError, ResourceExhausted, http_status
 from services.gateway.config import HttpConfig
+from services.gateway.http.errors import error_body, in_openai_terms, name_the_image
 from services.gateway.http.images import ImageFetcher
-from services.gateway.http.wire import (
-    Completion,
-    error_body,
-    image_urls,
-    name_the_image,
-    parse_request,
-    to_generate,
-)
+from services.gateway.http.wire import Completion, image_urls, parse_request, to_generate
+from services.gateway.readiness import Readiness
 from services.gateway.servicer import GatewayServicer
 
 log = logging.getLogger(__name__)
@@ -85,8 +81,9 @@ def _sse(payload: dict | str) -> bytes:
 class OpenAiApi:
     """The routes, over one GatewayServicer."""
 
-    def __init__(self, servicer: GatewayServicer, cfg: HttpConfig) -> None:
+    def __init__(self, servicer: GatewayServicer, cfg: HttpConfig, readiness: Readiness | None = None) -> None:
         self.servicer = servicer
+        self.readiness = readiness  # /health says 503 while no worker can serve
         self.images = ImageFetcher(cfg)
         self.serving = True  # False once the gateway drains: /health says 503
         self.started = int(time.time())
@@ -95,15 +92,14 @@ class OpenAiApi:
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/metrics", self.metrics, methods=["GET"])
 
     async def health(self) -> Response:
-        return JSONResponse({"status": "ok" if self.serving else "draining"}, status_code=200 if self.serving else 503)
-
-    async def metrics(self) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        """200 while the gateway can serve; 503 while it drains or no worker answers (routers stop sending)."""
+        if not self.serving:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if self.readiness is not None and not self.readiness.ready:
+            return JSONResponse({"status": "no worker reachable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     async def models(self) -> Response:
         try:
@@ -170,7 +166,7 @@ class OpenAiApi:
                 events.put_nowait(_END)
             except MeshError as err:
                 code = err.code.name
-                events.put_nowait(err)
+                events.put_nowait(in_openai_terms(err))
             except asyncio.CancelledError:
                 code = "CANCELLED"
                 raise

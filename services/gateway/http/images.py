@@ -14,7 +14,7 @@ import binascii
 from urllib.parse import urlsplit
 
 from services.gateway.config import HttpConfig
-from services.gateway.http.wire import ParamError
+from services.gateway.http.errors import ParamError
 from vlmesh.v1 import common_pb2 as pb
 
 

@@ -10,26 +10,18 @@ fields it does not define are ignored, as vLLM does, so that newer clients keep 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from services.common.errors import InvalidArgument, MeshError
 from services.common.validation import UINT64_MAX
+from services.gateway.http.errors import ParamError
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-class ParamError(InvalidArgument):
-    """A 400 about one request field: `param` goes in the error body."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class ImageUrl(BaseModel):
@@ -97,18 +89,37 @@ class ChatRequest(BaseModel):
         return [v] if isinstance(v, str) else v
 
 
+PART_TYPES = ("text", "image_url")  # the tags of a content part (Part's discriminator)
+
+
+def json_path(loc: Sequence[str | int]) -> str:
+    """A field's place in the body as the gateway's messages write it: pydantic's ('messages', 0,
+    'content', 'list[...]', 1, 'image_url', 'image_url') -> messages[0].content[1].image_url; the
+    names pydantic gives a union's branches (a type, or a part's tag) are not places in the body."""
+    out, previous = "", None
+    for key in loc:
+        branch = isinstance(key, str) and (
+            "[" in key or key == "str" or (key in PART_TYPES and isinstance(previous, int))
+        )
+        previous = key
+        if not branch:
+            out += f"[{key}]" if isinstance(key, int) else f"{'.' if out else ''}{key}"
+    return out
+
+
 def parse_request(body: bytes) -> ChatRequest:
     """The request, or a ParamError naming the first field that is wrong."""
     try:
         req = ChatRequest.model_validate_json(body)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
+        first = max(err.errors(), key=lambda e: len(e["loc"]))  # a union's deepest branch says most
+        where = json_path(first["loc"]) or None
         raise ParamError(f"{where + ': ' if where else ''}{first['msg']}", where) from None
     for name, neutral in _NEUTRAL.items():
         value = getattr(req, name)
         if value not in neutral:
-            raise ParamError(f"{name} is not supported by this server (got {value!r})", name)
+            shown = f" (got {value!r})" if isinstance(value, int | float | str) and len(repr(value)) <= 40 else ""
+            raise ParamError(f"{name} is not supported by this server{shown}", name)
     both = req.max_tokens is not None and req.max_completion_tokens is not None
     if both and req.max_tokens != req.max_completion_tokens:
         raise ParamError("max_tokens and max_completion_tokens differ: set one", "max_completion_tokens")
@@ -130,25 +141,10 @@ _NEUTRAL: dict[str, tuple] = {
 }
 
 
-def name_the_image(err: MeshError, paths: list[str]) -> MeshError:
-    """An INVALID_ARGUMENT about `images[i]` (the gateway's or the vision's), said of the image part
-    it came from."""
-    if err.code != grpc.StatusCode.INVALID_ARGUMENT:
-        return err
-    if err.message.startswith("images: "):  # about the images as a whole: count the image_url parts
-        return ParamError(f"messages: {err.message.removeprefix('images: ')} (image_url parts)", "messages")
-    if err.message.startswith("images[") and "]" in err.message:
-        index = err.message[len("images[") : err.message.index("]")]
-        if index.isdigit() and int(index) < len(paths):
-            where = paths[int(index)]
-            return ParamError(f"{where}: {err.message[err.message.index(']') + 1 :].lstrip()}", where)
-    return err
-
-
 def image_urls(req: ChatRequest) -> list[tuple[str, str]]:
     """(JSON path, URL) of every image part, in order."""
     return [
-        (f"messages.{i}.content.{j}.image_url.url", part.image_url.url)
+        (f"messages[{i}].content[{j}].image_url.url", part.image_url.url)
         for i, m in enumerate(req.messages)
         if isinstance(m.content, list)
         for j, part in enumerate(m.content)
@@ -163,11 +159,11 @@ def to_generate(req: ChatRequest, images: list[pb.Image], request_id: str) -> ga
         role = ROLES.get(m.role)
         if role is None:
             raise ParamError(
-                f"messages.{i}.role {m.role!r} is not supported: use system, developer, user or assistant",
-                f"messages.{i}.role",
+                f"messages[{i}].role {m.role!r} is not supported: use system, developer, user or assistant",
+                f"messages[{i}].role",
             )
         if m.content is None:
-            raise ParamError(f"messages.{i}.content is missing", f"messages.{i}.content")
+            raise ParamError(f"messages[{i}].content is missing", f"messages[{i}].content")
         parts = m.content if isinstance(m.content, list) else [TextPart(type="text", text=m.content)]
         messages.append(
             pb.ChatMessage(
@@ -238,15 +234,3 @@ class Completion:
 
     def usage_chunk(self, u: pb.Usage) -> dict:
         return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(u)}
-
-
-def error_body(message: str, code: str, status: int, param: str | None = None) -> dict:
-    """OpenAI's error shape."""
-    kind = {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        403: "permission_error",
-        404: "not_found_error",
-        429: "rate_limit_error",
-    }.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -246,17 +246,22 @@ def test_a_vision_refusal_passes_through_and_skips_the_llm():
 
 
 @pytest.mark.parametrize(
-    "fields,metadata,details",
+    "fields,metadata,code,details",
     [
-        ({"model": "other-model"}, (), "this mesh serves 'tiny-llava'"),
-        ({}, (("qos-level", "urgent"),), "unknown qos-level 'urgent'"),
-        ({"images": PICTURES + PICTURES[:1]}, (), "at most 2"),
-        ({"prompt": "  "}, (), "prompt is empty"),
-        ({"sampling": pb.SamplingParams(max_tokens=512)}, (), "sampling.max_tokens=512 is out of range"),
+        ({"model": "other-model"}, (), grpc.StatusCode.NOT_FOUND, "does not exist; this mesh serves 'tiny-llava'"),
+        ({}, (("qos-level", "urgent"),), grpc.StatusCode.INVALID_ARGUMENT, "unknown qos-level 'urgent'"),
+        ({"images": PICTURES + PICTURES[:1]}, (), grpc.StatusCode.INVALID_ARGUMENT, "at most 2"),
+        ({"prompt": "  "}, (), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+        (
+            {"sampling": pb.SamplingParams(max_tokens=512)},
+            (),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling.max_tokens=512 is out of range",
+        ),
     ],
     ids=["model", "qos", "images", "prompt", "max-tokens"],
 )
-def test_bad_requests_are_refused_before_any_downstream_work(fields, metadata, details):
+def test_bad_requests_are_refused_before_any_downstream_work(fields, metadata, code, details):
     vision, llm = fake_vision(), FakeLlm()
 
     async def main():
@@ -267,7 +272,7 @@ def test_bad_requests_are_refused_before_any_downstream_work(fields, metadata, d
             return err.value
 
     err = asyncio.run(main())
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.code() == code
     assert details in err.details()
     assert vision.encodes == [] and llm.generates == []
 
