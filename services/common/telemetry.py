@@ -7,6 +7,11 @@ with `OTEL_TRACES_EXPORTER=none`. The protocol is `OTEL_EXPORTER_OTLP_(TRACES_)P
 service name `OTEL_SERVICE_NAME` (default: the service). W3C trace context travels in gRPC
 metadata through OpenTelemetry's own grpc.aio interceptors.
 
+Health checks and server reflection are not traced: Envoy, the kubelet, the launcher and the
+gateway's readiness probe poll health every second or faster, and a trace per poll would bury
+the requests' traces. `OTEL_PYTHON_GRPC_EXCLUDED_SERVICES` (OpenTelemetry's list of gRPC
+services not to trace, comma-separated) replaces that default; set empty, it traces every call.
+
 When tracing is off (or the OpenTelemetry packages are absent, as on a bare GPU host),
 `span()` returns a shared null context and no interceptor is installed: nothing is exported
 and the hot path pays one boolean test.
@@ -92,12 +97,34 @@ def shutdown_tracing() -> None:
             provider.shutdown()
 
 
+def untraced_services() -> tuple[str, ...]:
+    """The gRPC services whose calls make no span: health and reflection unless
+    OTEL_PYTHON_GRPC_EXCLUDED_SERVICES names others (or, empty, none)."""
+    listed = os.environ.get("OTEL_PYTHON_GRPC_EXCLUDED_SERVICES")
+    if listed is None:
+        from grpc_health.v1.health import SERVICE_NAME as HEALTH
+        from grpc_reflection.v1alpha.reflection import SERVICE_NAME as REFLECTION
+
+        return (HEALTH, REFLECTION)
+    return tuple(name.strip() for name in listed.split(",") if name.strip())
+
+
+def _traced_calls():
+    """The interceptors' filter: True for a call to trace (None: every call)."""
+    untraced = untraced_services()
+    if not untraced:
+        return None
+    from opentelemetry.instrumentation.grpc import filters
+
+    return filters.negate(filters.any_of(*(filters.service_name(name) for name in untraced)))
+
+
 def server_interceptors() -> list:
     if not ENABLED:
         return []
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-    return [aio_server_interceptor()]
+    return [aio_server_interceptor(filter_=_traced_calls())]
 
 
 def client_interceptors() -> list:
@@ -105,7 +132,7 @@ def client_interceptors() -> list:
         return []
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
-    return list(aio_client_interceptors())
+    return list(aio_client_interceptors(filter_=_traced_calls()))
 
 
 def span(name: str, attributes: dict | None = None, links: Sequence | None = None):

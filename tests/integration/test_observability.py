@@ -77,6 +77,57 @@ def test_every_dashboard_expression_parses(tmp_path):
     assert run(promtool, "check", "rules", str(tmp_path / "broken.yml")).returncode != 0  # the check has teeth
 
 
+def test_the_error_and_cache_panels_read_zero_on_a_healthy_mesh(tmp_path):
+    """No error series exists while nothing fails, and no hit series before a first hit: the error,
+    error-budget and cache panels still read 0 (not "No data"), as promtool evaluates them."""
+    promtool = tool("promtool")
+    dash = json.loads((OBS / "grafana-dashboard.json").read_text())
+    titles = ("Errors by service", "Error budget burn", "Cache hit ratios")
+    exprs = [t["expr"] for p in dash["panels"] if p["title"].startswith(titles) for t in p["targets"]]
+    assert len(exprs) == 7, "the panels this test reads have changed"
+
+    def counter(name: str, labels: str) -> dict:
+        return {"series": f"{name}{{{labels}}}", "values": "0+600x20"}
+
+    healthy = [
+        counter("vlmesh_requests_total", 'service="gateway",method="Generate",code="OK"'),
+        counter("vlmesh_requests_total", 'service="llm",method="Generate",code="OK"'),
+        counter("vlmesh_feature_cache_lookups_total", 'service="vision",result="miss"'),
+        counter("vlmesh_prefix_cache_tokens_total", 'service="llm",result="miss"'),
+    ]
+
+    def zeros(expr: str) -> list[dict]:
+        if expr.startswith("vlmesh:"):  # a recorded series keeps its rule's name
+            return [{"labels": expr, "value": 0}]
+        if "by (service" in expr:
+            return [{"labels": f'{{service="{s}"}}', "value": 0} for s in ("gateway", "llm")]
+        return [{"value": 0}]
+
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": healthy,
+            "promql_expr_test": [{"expr": e, "eval_time": "15m", "exp_samples": zeros(e)} for e in exprs],
+        }
+    ]
+    (tmp_path / "test.yml").write_text(
+        yaml.safe_dump({"rule_files": [str(OBS / "alerts.yml")], "evaluation_interval": "1m", "tests": tests})
+    )
+    result = run(promtool, "test", "rules", str(tmp_path / "test.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_availability_alerts_watch_the_job_prometheus_scrapes():
+    """`up` of the job the alerts name, one target per process, each labelled with its service."""
+    watched = set(re.findall(r'up\{job="([^"]+)"', (OBS / "alerts.yml").read_text()))
+    assert watched == {"vlmesh"}
+    (job,) = [
+        j for j in yaml.safe_load((OBS / "prometheus.yml").read_text())["scrape_configs"] if j["job_name"] in watched
+    ]
+    services = [group["labels"]["service"] for group in job["static_configs"] for _ in group["targets"]]
+    assert sorted(services) == ["gateway", "llm", "vision"]
+
+
 def exported_names() -> set[str]:
     """Every sample name the services can export, from the one place metrics are defined."""
     from prometheus_client import REGISTRY

@@ -2,6 +2,7 @@
 
 The backend is Arize Phoenix (OTLP gRPC and HTTP in, REST out), installed by `make test`
 into .venv-phoenix. Without it the test skips, unless REQUIRE_OBSERVABILITY=1 (as in CI).
+What is left out of traces is checked against OpenTelemetry's own OTLP service, served here.
 """
 
 from __future__ import annotations
@@ -10,16 +11,20 @@ import base64
 import json
 import os
 import subprocess
+import threading
 import time
 import urllib.request
+from concurrent import futures
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from services.launcher import Mesh, free_port
-from tests.helpers import image_bytes, mesh_options
+from tests.helpers import image_bytes, mesh_options, serving
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -174,3 +179,59 @@ def test_one_trace_per_request_across_three_services(phoenix, tiny_model, protoc
         )
         for name in ("llm.queue", "llm.prefill", "llm.decode", "handoff.import"):
             assert next(s for s in trace if s["name"] == name)["parent_id"] == llm_server["context"]["span_id"]
+
+
+class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace endpoint that keeps (service, span name, trace id, request id) of what it gets."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict] = []
+        self.arrived = threading.Condition()
+
+    def Export(self, request, context):
+        with self.arrived:
+            for resource in request.resource_spans:
+                attrs = {a.key: a.value.string_value for a in resource.resource.attributes}
+                for scope in resource.scope_spans:
+                    for s in scope.spans:
+                        rid = next((a.value.string_value for a in s.attributes if a.key == "request.id"), None)
+                        self.spans.append(
+                            {"service": attrs["service.name"], "name": s.name, "trace": s.trace_id, "rid": rid}
+                        )
+            self.arrived.notify_all()
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def test_health_checks_and_reflection_make_no_spans(tiny_model):
+    """Envoy, the kubelet, the launcher and the gateway's readiness probe poll health: those calls (and
+    reflection's) stay out of traces, while a request still gets its whole trace."""
+    receiver = OtlpReceiver()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    try:
+        with Mesh(mesh_options(tiny_model, warmup_requests=0, extra_env=env)) as mesh:
+            mesh.start(progress=lambda m: None)
+            assert serving(mesh)  # a health check of each service, as a router's
+            with grpc.insecure_channel(mesh.target("gateway")) as ch:
+                ask = reflection_pb2.ServerReflectionRequest(list_services="")
+                (answer,) = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(iter([ask]), timeout=30)
+                assert "grpc.health.v1.Health" in {s.name for s in answer.list_services_response.service}
+            # Each process exports its spans in the order they end: once the request's trace is whole,
+            # every span of the checks before it has come too.
+            send(mesh, "grpc", "after-health-checks", "standard", image_bytes(7))
+
+            def whole() -> bool:
+                tids = {s["trace"] for s in receiver.spans if s["rid"] == "after-health-checks"}
+                return STAGE_SPANS <= {s["name"] for s in receiver.spans if s["trace"] in tids}
+
+            with receiver.arrived:
+                assert receiver.arrived.wait_for(whole, timeout=120), "the request's trace did not arrive whole"
+    finally:
+        server.stop(None)
+    services = {s["service"] for s in receiver.spans}
+    assert {"vlmesh-gateway", "vlmesh-vision", "vlmesh-llm"} <= services
+    untraced = [s for s in receiver.spans if s["name"].startswith(("/grpc.health.v1.", "/grpc.reflection."))]
+    assert untraced == [], f"{len(untraced)} spans of health checks or reflection, e.g. {untraced[:3]}"

@@ -8,7 +8,9 @@ promtool evaluates the analysis queries over the canary's, its primary's and the
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -202,6 +204,59 @@ def test_weights_subsets_and_labels_agree_everywhere(everything):
     for d in deployments.values():
         labels = d["spec"]["template"]["metadata"]["labels"]
         assert all(labels.get(k) == val for k, val in svc["spec"]["selector"].items())
+
+
+def kubernetes_pod_targets(deployment: dict, namespace: str, pod: str) -> list[dict]:
+    """What Prometheus's Kubernetes discovery (role: pod) finds for one pod of `deployment`: a target per
+    declared container port, with its __meta_kubernetes_* labels (those the scrape job reads)."""
+    template = deployment["spec"]["template"]
+    labels = {
+        "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", k): v
+        for k, v in template["metadata"]["labels"].items()
+    }
+    labels |= {"__meta_kubernetes_namespace": namespace, "__meta_kubernetes_pod_name": pod}
+    return [
+        {
+            "targets": [f"10.0.0.1:{port['containerPort']}"],
+            "labels": {
+                **labels,
+                "__meta_kubernetes_pod_container_name": c["name"],
+                "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+            },
+        }
+        for c in template["spec"]["containers"]
+        for port in c.get("ports", [])
+    ]
+
+
+def test_prometheus_scrapes_each_process_once(everything, tmp_path):
+    """Prometheus relabels what it would discover of the worker pods with the scrape job: one target per
+    process, its --metrics-port, labelled with its service, namespace and pod; none on gRPC or the HTTP
+    door. No prometheus.io annotation invites a generic job to scrape every port. (Debian's promtool is
+    built without Kubernetes discovery: a file lists the targets it would find.)"""
+    (config,) = [d for d in everything if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-scrape")]
+    (job,) = yaml.safe_load(config["data"]["scrape-config.yaml"])["scrape_configs"]
+    assert job.pop("kubernetes_sd_configs") == [{"role": "pod"}]
+    assert f'up{{job="{job["job_name"]}"}}' in (ROOT / "observability" / "alerts.yml").read_text()
+    discovered, want = [], []
+    for deployment in (d for d in everything if d["kind"] == "Deployment"):
+        template = deployment["spec"]["template"]
+        assert not [a for a in template["metadata"].get("annotations", {}) if a.startswith("prometheus.io/")]
+        pod = deployment["metadata"]["name"] + "-5d8f7c9b6-x7k2p"
+        discovered += kubernetes_pod_targets(deployment, "vlmesh", pod)
+        containers = template["spec"]["containers"]
+        assert sorted(c["name"] for c in containers) == ["gateway", "llm", "vision"]  # observability/'s services
+        for c in containers:
+            want.append((c["name"], f"10.0.0.1:{c['args'][c['args'].index('--metrics-port') + 1]}", "vlmesh", pod))
+    (tmp_path / "targets.json").write_text(json.dumps(discovered))
+    job["file_sd_configs"] = [{"files": [str(tmp_path / "targets.json")]}]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({"scrape_configs": [job]}))
+    check = [tool("promtool"), "check", "service-discovery", "--timeout=5s", str(tmp_path / "prometheus.yml")]
+    out = subprocess.run([*check, job["job_name"]], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    kept = [t["labels"] for t in json.loads(out.stdout) if t["labels"]]  # a dropped target has no labels
+    scraped = [(t["service"], t["__address__"], t["namespace"], t["pod"]) for t in kept]
+    assert sorted(scraped) == sorted(want)
 
 
 def test_percents_add_up_to_100():
