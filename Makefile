@@ -2,9 +2,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch: on our machines pip finds this exact wheel locally. An unpinned
-# torch would pull a CUDA build of several GB.
+# The CPU build of torch: on our machines pip finds this exact wheel locally. From PyPI alone,
+# Linux gets the CUDA build (several GB): PIP_TORCH_FLAGS passes pip options for torch's install
+# only, e.g. PIP_TORCH_FLAGS="--index-url https://download.pytorch.org/whl/cpu" (PyTorch's CPU index).
 TORCH_SPEC ?= torch==2.13.0
+PIP_TORCH_FLAGS ?=
 STAMP := $(VENV)/.installed
 # The OTLP trace backend the tracing tests read spans back from, in its own venv.
 PHOENIX_VENV ?= .venv-phoenix
@@ -25,6 +27,8 @@ help:
 	@echo "make bench-peer the mesh against vLLM serving the demo model itself, same workload, same run (OUT=dir)"
 	@echo "make protos    regenerate vlmesh/v1 stubs from protos/"
 	@echo "make lint      ruff check, format check and the layering contracts (lint-imports)"
+	@echo "variables      TORCH_SPEC (default $(TORCH_SPEC)); PIP_TORCH_FLAGS: pip options for torch alone,"
+	@echo "               e.g. PIP_TORCH_FLAGS=\"--index-url https://download.pytorch.org/whl/cpu\" (the CPU build)"
 
 venv: $(STAMP)
 
@@ -32,7 +36,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --disable-pip-version-check $(PIP_TORCH_FLAGS) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
 	@touch $@
 

@@ -94,6 +94,27 @@ def build_request(
     )
 
 
+# What a plaintext client sees when the gateway speaks TLS: the server drops the connection at
+# its first bytes, which are not a TLS handshake, so the call fails before any answer.
+PLAINTEXT_TO_TLS = ("Socket closed", "Connection reset by peer")
+TLS_HINT = "is the gateway serving TLS? pass --tls-ca CA.pem"
+
+
+class HintedRpcError(grpc.RpcError):
+    """A failed call's status, its details followed by a hint for the user."""
+
+    def __init__(self, err: grpc.RpcError, hint: str) -> None:
+        self._code = err.code()
+        self._details = f"{err.details()} ({hint})"
+        super().__init__(self._details)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
 def format_timings(t: pb.StageTimings) -> str:
     """A per-stage table of one request, as the gateway measured it."""
     rows = [f"  {name:<14}{getattr(t, field):9.2f} ms" for name, field in STAGES]
@@ -112,15 +133,23 @@ def generate(
     tls_ca: str | None = None,
 ) -> gateway_pb2.GenerateResponse:
     """Stream one request, writing text as it arrives; return the final message. `tls_ca`: TLS,
-    verifying the gateway against this CA (PEM file); None: plaintext."""
+    verifying the gateway against this CA (PEM file); None: plaintext, and a connection the
+    gateway drops at once fails with a hint that it may serve TLS (HintedRpcError)."""
     creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
     with sync_channel(target, creds, options=GRPC_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         final = None
-        for msg in stub.Generate(request, metadata=call_metadata(qos, api_key), timeout=timeout):
-            out.write(msg.text)
-            out.flush()
-            final = msg
+        try:
+            for msg in stub.Generate(request, metadata=call_metadata(qos, api_key), timeout=timeout):
+                out.write(msg.text)
+                out.flush()
+                final = msg
+        except grpc.RpcError as err:
+            details = err.details() or ""
+            dropped = err.code() == grpc.StatusCode.UNAVAILABLE and any(m in details for m in PLAINTEXT_TO_TLS)
+            if tls_ca is None and final is None and dropped:
+                raise HintedRpcError(err, TLS_HINT) from err
+            raise
         out.write("\n")
         return final
 

@@ -3,9 +3,12 @@
 Order: vision and llm start together (both load weights), then the gateway. Each must
 report SERVING on the standard health service before the next step. Warm-up requests
 then go through the whole mesh, and one line `gateway ready on HOST:PORT` says the
-mesh can serve. If any child dies, the launcher names it, stops the others and exits
-non-zero. SIGINT/SIGTERM, at any stage (loading weights, warming up, serving), stop every
-child started so far and exit 0; the children also die with the launcher if it is killed.
+mesh can serve. While it serves, a child that dies or stalls is restarted on the ports it
+had (--restarts, --restart-window-s); past that limit, or with --restarts 0, the launcher
+names the child, stops the others and exits non-zero. A child that dies before the mesh is
+ready stops it the same way. SIGINT/SIGTERM, at any stage (loading weights, warming up,
+serving), stop every child started so far and exit 0; the children also die with the
+launcher if it is killed.
 A fixed port that is taken fails before anything starts (exit 2); port 0 picks a free one.
 """
 

@@ -49,8 +49,8 @@ class MeshOptions:
         "--restarts",
         default=5,
         help="restart a vision, llm or gateway that dies or stalls, at most this many times within "
-        "--restart-window-s (backoff 0.5 s doubling to 8 s); past that, or with 0, a death stops the mesh "
-        "(default %(default)s)",
+        "--restart-window-s (backoff 0.5 s doubling to 8 s); past that, or with 0, the next death or stall "
+        "stops the mesh (default %(default)s)",
     )
     tls_throwaway_ca: bool = flag(
         "--tls-throwaway-ca",

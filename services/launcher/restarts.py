@@ -5,7 +5,8 @@
 - one that has exited is started again, on the ports it had, after a backoff (0.5 s, doubling
   up to 8 s);
 - one whose health check has failed `STALL_CHECKS` times in a row is stalled (stopped or hung:
-  its port takes connections and nothing answers). It is killed (SIGKILL) and started again.
+  its port takes connections and nothing answers). It is killed (SIGKILL) and started again;
+  the message says how long it went unanswered, from its first failed check to the kill.
 
 More than `restarts` restarts of the mesh within `window_s` stop it (MeshError naming the
 child): a crash loop would go on forever. While a vision or llm is away the gateway keeps
@@ -51,8 +52,10 @@ class Watch:
     restarts: int  # allowed within window_s; 0: the first death stops the mesh
     window_s: float
     say: Callable[[str], None] = print
+    clock: Callable[[], float] = time.monotonic
     _times: deque = field(default_factory=deque)  # when restarts happened
     _misses: dict = field(default_factory=dict)  # child name -> health checks failed in a row
+    _silent_since: dict = field(default_factory=dict)  # child name -> when its first failed check was sent
     _streak: dict = field(default_factory=dict)  # child name -> restarts in a row (the backoff)
 
     def poll(self) -> None:
@@ -68,20 +71,25 @@ class Watch:
         code = child.proc.poll()
         if code is not None:
             return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        asked = self.clock()
         status = health_status(self.mesh.target(child.name), HEALTH_TIMEOUT_S, self.mesh.credentials())
         if status == health_pb2.HealthCheckResponse.SERVING:
             self._misses[child.name] = 0
             self._streak[child.name] = 0
+            self._silent_since.pop(child.name, None)
             return None
+        since = self._silent_since.setdefault(child.name, asked)
         misses = self._misses[child.name] = self._misses.get(child.name, 0) + 1
         if misses < STALL_CHECKS:
             return None
         child.proc.kill()
         child.proc.wait()
-        return f"stalled (no health answer for {misses * TICK_S:.1f} s), killed"
+        # The time it really went unanswered: each check waits up to HEALTH_TIMEOUT_S, and the
+        # other children's checks come between, so the count of checks alone understates it.
+        return f"stalled (no health answer for {self.clock() - since:.1f} s, {misses} checks in a row), killed"
 
     def _restart(self, child: Child, why: str) -> None:
-        now = time.monotonic()
+        now = self.clock()
         while self._times and now - self._times[0] > self.window_s:
             self._times.popleft()
         if len(self._times) >= self.restarts:
@@ -92,6 +100,7 @@ class Watch:
         delay = BACKOFF_S[min(streak, len(BACKOFF_S) - 1)]
         self._streak[child.name] = streak + 1
         self._misses[child.name] = 0
+        self._silent_since.pop(child.name, None)
         self.say(
             f"the {child.name} process {why}; restarting it in {delay:g} s ({len(self._times)} of {self.restarts})"
         )

@@ -3,7 +3,8 @@ watch, stop.
 
 Order: vision and llm start together (both load weights), then the gateway. Each must
 report SERVING on the standard health service before the next step. Warm-up requests
-then go through the whole mesh. If any child dies, `wait` names it (MeshError).
+then go through the whole mesh. While serving, `wait` restarts a child that dies or stalls
+(services/launcher/restarts.py), and past the restart limit names it (MeshError).
 
 Ports: a fixed port must be free (checked before anything starts; no server shares a port).
 A child given port 0 binds a free one itself and reports it in its port file; the llm reads

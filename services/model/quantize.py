@@ -45,6 +45,12 @@ def int4_group(widths: set[int]) -> int:
     return group
 
 
+def _not_torchao_enum_notice(record: logging.LogRecord) -> bool:
+    """False for torch's notice that registering an Enum as a pytree constant is deprecated: torchao
+    does so on import, and only torchao can act on it."""
+    return "Calling register_constant() on Enum subclasses is deprecated" not in str(record.msg)
+
+
 def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: torch.dtype) -> None:
     """Quantize every nn.Linear under `layers` in place; ValueError naming the flag when `how` cannot run here."""
     if how == "none":
@@ -60,6 +66,7 @@ def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: t
             )
         group = int4_group({m.in_features for m in linears})
     logging.getLogger("torchao").setLevel(logging.ERROR)  # its optional extensions' load warnings
+    logging.getLogger("torch.utils._pytree").addFilter(_not_torchao_enum_notice)  # added once, however often called
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
     # set_inductor_config=False: by default torchao turns on inductor's coordinate-descent tuning

@@ -12,6 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.cli import main as cli_main
 from services.client import generate
 from services.launcher import Mesh
 from tests.helpers import image_bytes, mesh_options
@@ -48,6 +49,19 @@ def test_the_gateway_answers_over_tls_and_only_over_tls(tls_mesh, tmp_path):
     with pytest.raises(grpc.RpcError) as info:
         health(tls_mesh.target("gateway"), None)  # plaintext to a TLS port
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_vlmesh_generate_without_tls_ca_hints_at_tls(tls_mesh, tmp_path, capsys):
+    """A plaintext `vlmesh generate` against the TLS gateway: one line, the status and a hint."""
+    picture = tmp_path / "p.png"
+    picture.write_bytes(image_bytes(3))
+    argv = ["generate", "--image", str(picture), "--prompt", "What?", "--target", tls_mesh.target("gateway")]
+    assert cli_main([*argv, "--timeout", "30"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vlmesh generate: error: UNAVAILABLE: ") and "\n" not in err, err
+    assert err.endswith("(is the gateway serving TLS? pass --tls-ca CA.pem)"), err
+    ca = tls_mesh.opts.gateway.server.tls_ca
+    assert cli_main([*argv, "--timeout", "30", "--tls-ca", ca, "--max-tokens", "2"]) == 0  # the hint's advice works
 
 
 def test_the_http_door_serves_https(tls_mesh):
