@@ -1,11 +1,14 @@
 """The native engine's host cost per step, with the model's work taken out.
 
-A stand-in runner returns a token for every sampled row at once, so what a step costs here is
-what the engine thread does between two steps on any device: scheduling, the postprocess
-(EOS and length checks, incremental detokenization, stop strings) and handing each output to
-the servicer's event loop. On a GPU that time is added to every step: the device waits for
-the host's next launch. `--batch` requests of `--tokens` tokens each are queued first, then
-the engine starts; the figure is the median step at the full batch.
+The engine's own runner, built on the CPU, launches no model: every sampled row gets one token
+at once, through the lane's own token fetch. So what a step costs here is what the engine
+thread does between two steps on any device: scheduling, the postprocess (EOS and length
+checks, incremental detokenization, stop strings) and handing each output to the servicer's
+event loop. On a GPU that time is added to every step: the device waits for the host's next
+launch. `--batch` requests of `--tokens` tokens each are queued first, then the engine starts;
+each step's host time is read from the engine's own step trace (`--step-trace`: the time
+before the launch, the launch and the postprocess), and the figure is the median step at the
+full batch.
 
     python -m bench.engine_host [--model models/demo] [--batch 32] [--tokens 200] [--stop STRING]
 """
@@ -14,69 +17,81 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
-import time
+import tempfile
+from pathlib import Path
+
+import torch
 
 from services.common.qos import QosLevel
 from services.common.sampling import Sampling
 from services.llm.engine import NativeEngine
+from services.llm.fetch import TokenFetch
 from services.llm.interface import Job
+from services.llm.kv_cache import KvConfig
+from services.llm.lane import Lane
+from services.llm.request import Request
+from services.llm.runner import ModelRunner
+from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS, Chunk
 from services.model.prompt import PromptBuilder
 from services.model.spec import load_spec
 
+PAGE_SIZE = 16  # KV positions a page: the pool holds --batch sequences of the model's context, never written
 
-class NoModel:
-    """A runner without a model: every sampled row gets token `token`, at once."""
 
-    def __init__(self, spec, token: int) -> None:
-        self.spec, self.token, self.page_size, self.n_pages = spec, token, 16, 8192
-        self.max_context, self.device = spec.text.max_context, "cpu"
+class NoModel(ModelRunner):
+    """The engine's runner on the CPU with the model's work taken out: a launch gives every sampled
+    row `token` at once (the model's weights are loaded, never run: use a small checkpoint)."""
 
-    def step(self, chunks, decodes) -> list[int]:
+    token = 0
+
+    def launch(self, chunks: list[Chunk], decodes: list[Request], lane: Lane) -> TokenFetch:
         for c in chunks:
             c.req.computed = c.end
         for r in decodes:
             r.computed += 1
-        return [self.token] * (sum(c.completes for c in chunks) + len(decodes))
-
-    def new_generator(self, seed):
-        return None
+        fetch = lane.take()
+        fetch.start(torch.full((sum(c.completes for c in chunks) + len(decodes),), self.token, dtype=torch.int64))
+        return fetch
 
 
 async def measure(model: str, batch: int, tokens: int, stop: tuple[str, ...]) -> dict:
     spec = load_spec(model)
     prompts = PromptBuilder(spec)
-    token = prompts.tokenizer("a", add_special_tokens=False)["input_ids"][-1]  # a plain word piece
-    engine = NativeEngine(NoModel(spec, token), batch, prompts, tokens, prefix_cache=False)
-    steps: list[tuple[int, float]] = []
-    run = engine._step
-
-    def timed(plan) -> None:
-        start = time.perf_counter()
-        run(plan)
-        steps.append((len(plan.decode), time.perf_counter() - start))
-
-    engine._step = timed
+    runner = NoModel(
+        spec, torch.device("cpu"), torch.float32, batch, KvConfig(PAGE_SIZE, 0.0, 0.0), DEFAULT_MAX_PREFILL_TOKENS
+    )
+    runner.token = prompts.tokenizer("a", add_special_tokens=False)["input_ids"][-1]  # a plain word piece
     sampling = Sampling(
         max_tokens=tokens, temperature=0.0, top_p=1.0, seed=None, stop=stop, min_tokens=0, ignore_eos=True
     )
-    subs = [engine.submit(Job(f"r{i}", "What is in the image?", [], sampling, QosLevel.STANDARD)) for i in range(batch)]
-    engine.start()  # after the queueing, so that every step runs the whole batch
-    for sub in subs:
-        async for _ in sub.outputs():
-            pass
-    engine.stop()
-    full = [s for n, s in steps if n == batch]
-    return {"batch": batch, "steps": len(full), "median_ms": 1e3 * statistics.median(full)}
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "steps.jsonl"
+        engine = NativeEngine(runner, batch, prompts, tokens, prefix_cache=False, step_trace=str(trace))
+        jobs = [Job(f"r{i}", "What is in the image?", [], sampling, QosLevel.STANDARD) for i in range(batch)]
+        subs = [engine.submit(job) for job in jobs]
+        engine.start()  # after the queueing, so that every step runs the whole batch
+        for sub in subs:
+            async for _ in sub.outputs():
+                pass
+        engine.stop()  # flushes the trace
+        steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    full = [s["gap_ms"] + s["run_ms"] + s["post_ms"] for s in steps if s["decodes"] == batch]
+    if not full:
+        raise SystemExit(f"no step ran the whole batch of {batch}: give --tokens more than 1")
+    return {"batch": batch, "steps": len(full), "median_ms": statistics.median(full)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.engine_host", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/demo", help="checkpoint whose tokenizer and spec are used")
     p.add_argument("--batch", type=int, default=32, help="requests decoding together (default %(default)s)")
     p.add_argument("--tokens", type=int, default=200, help="tokens each request generates (default %(default)s)")
     p.add_argument("--stop", action="append", default=[], help="a stop string every request carries (repeatable)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.batch < 1 or args.tokens < 2:
+        p.error("--batch takes 1 or more, --tokens 2 or more (the first token comes from the prompt's step)")
     result = asyncio.run(measure(args.model, args.batch, args.tokens, tuple(args.stop)))
     batch, ms, n = result["batch"], result["median_ms"], result["steps"]
     print(f"engine host time per step at batch {batch}: {ms:.3f} ms (median of {n})")

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from bench.decode_step import Prompt, Seq
+from bench.decode_step import admitted
 from services.llm.block_manager import BlockManager
 from services.llm.kv_cache import KvConfig
 from services.llm.runner import ModelRunner
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"runner ready in {time.perf_counter() - t0:.1f} s", flush=True)
     packed = runner.packed
     pages = BlockManager(runner.n_pages, runner.page_size)
-    prompt = Prompt([7] * args.prompt, pages.allocate(pages.pages_for(args.prompt)))
+    prompt = admitted(pages, args.prompt)
     runner.step([Chunk(prompt, 0, args.prompt)], [])  # stages the packed step's inputs
     size = (packed.rows, 0, packed.fresh)
     prefill_graph = packed._graphs[size]
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{total} SMs; prefill {size} on the whole device {full_p:.2f} ms", flush=True)
     rows = []
     for b in batches:
-        seqs = [Seq(pages.allocate(pages.pages_for(args.context)), args.context - 1) for _ in range(b)]
+        seqs = [admitted(pages, args.context - 1, 1) for _ in range(b)]
         runner.step([], seqs)  # stages the decode step's inputs (the upload carries the packed step's too)
         decode_graph = runner.decode._graphs[runner.decode.bucket(b)]
         full_d = alone(decode_graph.replay, default, 30)

@@ -7,13 +7,12 @@ import argparse
 import importlib.util
 import os
 import shlex
-from collections.abc import Callable
 from pathlib import Path
 
 from services.bench.workloads import WORKLOADS
 from services.common import eventloop
 from services.common.config import DTYPES, QUANTIZATIONS, READY_SIGNALS
-from services.common.validation import API_KEY_ENV, CliParser, api_key, float_in, int_in
+from services.common.validation import API_KEY_ENV, CliParser, api_key, device_name, float_in, int_in, names_of, numbers
 from services.llm import config as llm_config
 from services.llm.config import VLLM_MISSING
 from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS
@@ -22,49 +21,9 @@ from services.vision import config as vision_config
 TARGETS = ("mesh", "mesh-http", "inprocess", "hf", "hf-static", "vllm")
 
 
-def names_of(allowed: tuple[str, ...] | list[str], check: Callable[[str], None] | None = None):
-    """A `type=` for a comma list of names from `allowed` (at least one); `check` vets each name."""
-
-    def names(text: str) -> list[str]:
-        out = [x.strip() for x in text.split(",") if x.strip()]
-        if not out:
-            raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of {', '.join(allowed)}")
-        for name in out:
-            if name not in allowed:
-                raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(allowed)}")
-            if check is not None:
-                check(name)
-        return out
-
-    return names
-
-
 def _vllm_installed(name: str) -> None:
     if name == "vllm" and importlib.util.find_spec("vllm") is None:
         raise argparse.ArgumentTypeError(f"vllm: {VLLM_MISSING}")
-
-
-def numbers(kind: type, allowed: str, *, positive: bool = True, count: int | None = None, empty: bool = False):
-    """A `type=` for a comma list of numbers (> 0, or >= 0), of `count` items when given."""
-
-    def parse(text: str) -> list:
-        parts = [x.strip() for x in text.split(",") if x.strip()]
-        out = []
-        for part in parts:
-            try:
-                value = kind(part)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"{part!r} is not a number: use {allowed}") from None
-            if not (value > 0 if positive else value >= 0) or value != value or value == float("inf"):
-                raise argparse.ArgumentTypeError(f"{part} is out of range: use {allowed}")
-            out.append(value)
-        if (not out and not empty) or (count is not None and len(out) != count):
-            raise argparse.ArgumentTypeError(f"{text!r}: use {allowed}")
-        if count is not None and sum(out) <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r}: the shares add up to 0; use {allowed}")
-        return out
-
-    return parse
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -81,12 +40,14 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         help=f"comma list of {', '.join(TARGETS)}; mesh-http is the same mesh through its OpenAI-compatible "
         "HTTP door (mesh,mesh-http: one mesh, measured through each door in turn) (default %(default)s)",
     )
-    p.add_argument("--gateway", default=None, help="HOST:PORT of a running gateway instead of starting a mesh")
+    p.add_argument(
+        "--gateway", default=None, help="HOST:PORT of a running gateway instead of starting a mesh (default: start one)"
+    )
     p.add_argument(
         "--gateway-http",
         default=None,
         metavar="URL",
-        help="with --gateway: its HTTP door for mesh-http, e.g. http://127.0.0.1:8000/v1",
+        help="with --gateway: its HTTP door for mesh-http, e.g. http://127.0.0.1:8000/v1 (default: none)",
     )
     p.add_argument(
         "--api-key",
@@ -125,13 +86,43 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         default="0.2,0.6,0.2",
         help="realtime,standard,best-effort shares (default %(default)s)",
     )
-    p.add_argument("--seed", type=int_in(0), default=0)
+    p.add_argument(
+        "--seed",
+        type=int_in(0),
+        default=0,
+        help="seeds the arrivals, the QoS draws and the pictures: one seed, the same requests (default %(default)s)",
+    )
     p.add_argument("--out", type=Path, default=None, help="output directory (default bench-results/DATE)")
-    p.add_argument("--compare-seeds", action="store_true", help="print the write-ups' table beside ours")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument("--max-vision-batch", type=int_in(1), default=vision_config.DEFAULT_MAX_BATCH)
-    p.add_argument("--max-llm-batch", type=int_in(1), default=llm_config.DEFAULT_MAX_BATCH)
+    p.add_argument(
+        "--compare-seeds",
+        action="store_true",
+        help="print the write-ups' headline P99 and throughput beside ours at their P99 (default off)",
+    )
+    p.add_argument(
+        "--device",
+        type=device_name,
+        default="auto",
+        help="cpu, cuda, cuda:N or auto: cuda when torch sees a GPU; for the mesh and the in-process "
+        "targets (default %(default)s)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="weights and activations; auto = bfloat16 on CUDA, float32 on CPU (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-vision-batch",
+        type=int_in(1),
+        default=vision_config.DEFAULT_MAX_BATCH,
+        help="images per ViT forward, mesh and in-process (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-llm-batch",
+        type=int_in(1),
+        default=llm_config.DEFAULT_MAX_BATCH,
+        help="sequences decoded together, mesh and in-process (default %(default)s)",
+    )
     p.add_argument(
         "--max-prefill-tokens",
         type=int_in(1),
@@ -153,7 +144,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--tls",
         action="store_true",
-        help="start the mesh with TLS on every hop (vlmesh up --tls-throwaway-ca) and connect with TLS (mesh)",
+        help="start the mesh with TLS on every hop (vlmesh up --tls-throwaway-ca) and connect with TLS (mesh) "
+        "(default off)",
     )
     p.add_argument(
         "--quantize",
@@ -161,12 +153,17 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         choices=QUANTIZATIONS,
         help="the native engine's weight-only quantization (mesh): int8, int4 (CUDA, bf16) (default %(default)s)",
     )
-    p.add_argument("--ready-signal", default="sync", choices=READY_SIGNALS, help="CUDA hand-off readiness (mesh)")
+    p.add_argument(
+        "--ready-signal",
+        default="sync",
+        choices=READY_SIGNALS,
+        help="CUDA hand-off readiness (mesh) (default %(default)s)",
+    )
     p.add_argument(
         "--cuda-mps",
         action="store_true",
         help="start the mesh under an NVIDIA MPS daemon of its own (vlmesh up --cuda-mps): vision and llm "
-        "share the GPU instead of time-slicing it (mesh)",
+        "share the GPU instead of time-slicing it (mesh) (default off)",
     )
     p.add_argument(
         "--event-loop",
@@ -174,20 +171,25 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         choices=eventloop.EVENT_LOOPS,
         help="asyncio loop of this client, the in-process target and the mesh's servers (default %(default)s)",
     )
-    p.add_argument("--threads", type=int_in(0), default=0, help="torch threads per service (mesh) or in-process")
+    p.add_argument(
+        "--threads",
+        type=int_in(0),
+        default=0,
+        help="torch threads per service of the mesh the bench starts; 0 = torch's default (default %(default)s)",
+    )
     p.add_argument(
         "--mesh-flags",
         default="",
         metavar="FLAGS",
         help="more `vlmesh up` flags for the mesh the bench starts, as one string, e.g. "
         "'--switch-interval-ms 0.1 --kv-page-size 64'; not the ones the bench sets itself (model, ports, "
-        "batch sizes, prefill budget, ...): give those to the bench (mesh)",
+        "batch sizes, prefill budget, ...): give those to the bench (mesh) (default: none)",
     )
     p.add_argument(
         "--closed-loop",
         type=numbers(int, "a comma list of concurrencies, each >= 1, e.g. 1,4,16", empty=True),
         default="",
-        help="also run closed loops at these concurrencies, e.g. 1,4,16",
+        help="also run closed loops at these concurrencies, e.g. 1,4,16 (default: none)",
     )
     return p
 

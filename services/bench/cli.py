@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import gc
 import os
 import platform
 import shlex
@@ -34,7 +35,16 @@ from pathlib import Path
 
 from services.bench.args import build_parser, config_of, mesh_overrides, parse_args
 from services.bench.load import run_closed_loop, run_open_loop
-from services.bench.report import cache_table, compare_seeds, plot, qos_table, summarize_run, table, write_json
+from services.bench.report import (
+    cache_table,
+    cell,
+    compare_seeds,
+    plot,
+    qos_table,
+    summarize_run,
+    table,
+    write_json,
+)
 from services.bench.workloads import WORKLOADS, RequestFactory
 from services.common import eventloop
 
@@ -127,8 +137,8 @@ async def run_target(
                 records[key] = recs
                 s = summary
                 print(
-                    f"  {key}: {s['throughput_rps']:.1f} req/s, e2e p50 {s['e2e_ms']['p50']:.1f} ms p99 "
-                    f"{s['e2e_ms']['p99']:.1f} ms, statuses {s['statuses']}",
+                    f"  {key}: {s['throughput_rps']:.1f} req/s, e2e p50 {cell(s['e2e_ms']['p50'])} ms p99 "
+                    f"{cell(s['e2e_ms']['p99'])} ms, statuses {s['statuses']}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -155,6 +165,27 @@ async def same_answers(
     finally:
         await mesh.close()
         await peer.close()
+
+
+def release_device(say) -> None:
+    """Give back the GPU memory this process held for the target that ran last, before the next one
+    starts: a mesh's refuse watermark counts every process on the device, so an in-process engine's
+    weights, KV pool and graphs left in the allocator's cache would have it refuse work. The target's
+    objects first (reference cycles included), then compiled code that may refer to them, then the
+    allocator's cached blocks; the CUDA context stays."""
+    import torch
+
+    gc.collect()
+    if not torch.cuda.is_initialized():
+        return
+    torch.compiler.reset()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    say(
+        f"GPU memory released: this process holds {torch.cuda.memory_reserved() / 2**30:.2f} GiB through PyTorch; "
+        f"the device is {100 * (total - free) / total:.1f}% in use"
+    )
 
 
 def groups(targets: list[str]) -> list[list[str]]:
@@ -254,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 runs += r
                 records.update(rec)
+        release_device(say)
     write_json(out / "results.json", config, environment(args.model, args.event_loop), runs, records)
     plots = plot(out, runs, records, args.warmup)
     print(f"wrote {out / 'results.json'} and {', '.join(str(p) for p in plots)}", file=sys.stderr)

@@ -18,10 +18,13 @@ def percentile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def summarize(values: Sequence[float]) -> dict[str, float]:
+def summarize(values: Sequence[float]) -> dict[str, float | None]:
+    """n, mean, P50, P90 and P99; None where there is no sample (results.json holds null: JSON has no NaN)."""
+    if not values:
+        return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None}
     return {
         "n": len(values),
-        "mean": sum(values) / len(values) if values else math.nan,
+        "mean": sum(values) / len(values),
         "p50": percentile(values, 50),
         "p90": percentile(values, 90),
         "p99": percentile(values, 99),

@@ -5,7 +5,9 @@ The share is of the whole device (every process on it: vision and llm share one 
 from the driver at most every `interval_s`. Crossing a watermark upwards is logged once; at the
 shrink watermark the service frees what it caches (PyTorch's cached blocks), once per
 crossing; at the refuse watermark best-effort requests get
-RESOURCE_EXHAUSTED with retry info, counted as rejections for `memory`. Realtime and standard
+RESOURCE_EXHAUSTED with retry info, counted as rejections for `memory`; the message gives the
+reading, the watermark, and how much of it this process holds against the others (another
+process on the device can push a service over the mark by itself). Realtime and standard
 work is never refused here. Gauges: `vlmesh_gpu_memory_used_ratio` and
 `vlmesh_memory_pressure` (0 ok, 1 warn, 2 shrink, 3 refuse).
 
@@ -15,6 +17,7 @@ Imports no torch at module level: the configs that declare `--memory-watermarks`
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +30,7 @@ log = logging.getLogger(__name__)
 
 LEVELS = ("ok", "warn", "shrink", "refuse")
 RETRY_S = 1.0
+GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -83,11 +87,14 @@ class MemoryGuard:
         shrink: Callable[[], None] | None = None,
         interval_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        held: Callable[[], int] | None = None,
     ) -> None:
-        """`probe` None (a CPU service): the level is always ok and nothing is refused."""
-        self.service, self.probe, self.marks, self.shrink = service, probe, marks, shrink
+        """`probe` None (a CPU service): the level is always ok and nothing is refused. `held`: the
+        bytes of the device this process holds (PyTorch's allocator), for the refusal's message."""
+        self.service, self.probe, self.marks, self.shrink, self.held = service, probe, marks, shrink, held
         self.interval_s, self.clock = interval_s, clock
         self.ratio, self._level, self._sampled = 0.0, 0, -float("inf")
+        self.used = self.total = 0  # bytes, at the last reading
         self._lock = threading.Lock()
         if probe is not None:
             from services.common.metrics import GPU_MEMORY_RATIO, MEMORY_PRESSURE
@@ -103,7 +110,9 @@ class MemoryGuard:
             return cls(service, None, marks)
         import torch
 
-        return cls(service, cuda_probe(device), marks, torch.cuda.empty_cache)
+        return cls(
+            service, cuda_probe(device), marks, torch.cuda.empty_cache, held=lambda: torch.cuda.memory_reserved(device)
+        )
 
     def sample(self) -> tuple[float, int]:
         """(share of the device in use, level), read anew when the last reading is `interval_s` old."""
@@ -115,6 +124,7 @@ class MemoryGuard:
                 return self.ratio, self._level
             self._sampled = now
             used, total = self.probe()
+            self.used, self.total = used, total
             self.ratio = used / total if total else 0.0
             level, before = self.marks.level(self.ratio), self._level
             self._level = level
@@ -140,10 +150,20 @@ class MemoryGuard:
             from services.common.metrics import REJECTIONS
 
             REJECTIONS.labels(self.service, qos.wire, "memory").inc()
-            err = ResourceExhausted(
-                f"GPU memory is {100 * ratio:.1f}% in use, over the {100 * self.marks.refuse:g}% watermark: "
-                "best-effort requests are refused until it falls",
-                retry_after_s=RETRY_S,
-            )
+            err = ResourceExhausted(self._refusal(ratio), retry_after_s=RETRY_S)
             err.reason = "memory"
             raise err
+
+    def _refusal(self, ratio: float) -> str:
+        """What a refusal says: the reading, the watermark, and who holds the memory."""
+        text = (
+            f"GPU memory is {100 * ratio:.1f}% in use ({self.used / GIB:.2f} of {self.total / GIB:.2f} GiB), over "
+            f"the {100 * self.marks.refuse:g}% watermark (--memory-watermarks {self.marks.text()})"
+        )
+        if self.held is not None:
+            held = self.held()
+            text += (
+                f": this process ({self.service}, pid {os.getpid()}) holds {held / GIB:.2f} GiB through PyTorch, "
+                f"other processes and CUDA contexts {max(0, self.used - held) / GIB:.2f} GiB"
+            )
+        return text + "; best-effort requests are refused until it falls"

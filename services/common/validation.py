@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable, Sequence
 
 from services.common.errors import InvalidArgument
@@ -210,3 +211,50 @@ def api_key(text: str) -> str | None:
 def api_key_metadata(key: str | None) -> tuple[tuple[str, str], ...]:
     """The gRPC metadata that carries an API key to a gateway with --tenants (none without a key)."""
     return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+def names_of(allowed: tuple[str, ...] | list[str], check: Callable[[str], None] | None = None):
+    """A `type=` for a comma list of names from `allowed` (at least one); `check` vets each name."""
+
+    def names(text: str) -> list[str]:
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        if not out:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a comma list of {', '.join(allowed)}")
+        for name in out:
+            if name not in allowed:
+                raise argparse.ArgumentTypeError(f"{name!r} is not one of {', '.join(allowed)}")
+            if check is not None:
+                check(name)
+        return out
+
+    return names
+
+
+def device_name(text: str) -> str:
+    """A `type=` for --device: auto, cpu, cuda or cuda:N (whether CUDA is there is checked where it is used)."""
+    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", text) is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: use cpu, cuda, cuda:N or auto")
+    return text
+
+
+def numbers(kind: type, allowed: str, *, positive: bool = True, count: int | None = None, empty: bool = False):
+    """A `type=` for a comma list of numbers (> 0, or >= 0), of `count` items when given."""
+
+    def parse(text: str) -> list:
+        parts = [x.strip() for x in text.split(",") if x.strip()]
+        out = []
+        for part in parts:
+            try:
+                value = kind(part)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{part!r} is not a number: use {allowed}") from None
+            if not (value > 0 if positive else value >= 0) or value != value or value == float("inf"):
+                raise argparse.ArgumentTypeError(f"{part} is out of range: use {allowed}")
+            out.append(value)
+        if (not out and not empty) or (count is not None and len(out) != count):
+            raise argparse.ArgumentTypeError(f"{text!r}: use {allowed}")
+        if count is not None and sum(out) <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: the shares add up to 0; use {allowed}")
+        return out
+
+    return parse

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from services.common.errors import ResourceExhausted
@@ -56,9 +58,27 @@ def test_only_best_effort_is_refused_and_only_over_the_refuse_watermark():
     device.used, clock[0] = 97, 1.0
     for qos in (QosLevel.REALTIME, QosLevel.STANDARD):
         g.admit(qos)
-    with pytest.raises(ResourceExhausted, match=r"97\.0% in use, over the 95% watermark") as err:
+    with pytest.raises(ResourceExhausted, match=r"97\.0% in use \(0\.00 of 0\.00 GiB\), over the 95% watermark") as err:
         g.admit(QosLevel.BEST_EFFORT)
     assert err.value.retry_after_s > 0 and err.value.reason == "memory"
+
+
+def test_a_refusal_says_what_it_saw_and_how_much_this_process_holds_against_the_others():
+    # An 80 GiB device 97% full, of which this process holds 10 GiB: the other 67.6 are someone else's
+    # (the bench's in-process engine beside the mesh it started, say).
+    gib = 2**30
+    device, clock = Device(), [0.0]
+    device.used, device.total = int(77.6 * gib), 80 * gib
+    g = MemoryGuard("llm", device.probe, Watermarks(), held=lambda: 10 * gib, clock=lambda: clock[0])
+    with pytest.raises(ResourceExhausted) as err:
+        g.admit(QosLevel.BEST_EFFORT)
+    said = err.value.message
+    assert "GPU memory is 97.0% in use (77.60 of 80.00 GiB)" in said
+    assert "over the 95% watermark (--memory-watermarks warn=0.75,shrink=0.9,refuse=0.95)" in said
+    assert (
+        f"this process (llm, pid {os.getpid()}) holds 10.00 GiB through PyTorch, "
+        "other processes and CUDA contexts 67.60 GiB" in said
+    )
 
 
 def test_a_cpu_service_is_never_refused():

@@ -1,0 +1,116 @@
+"""Every documented bench tool that runs on a CPU, run as its users run it, on tiny arguments: a change
+to the engine or the mesh that breaks one fails here. The GPU-only tools run in
+tests/gpu/test_bench_tools_gpu.py. Run elsewhere already: bench.overload (test_overload.py),
+bench.soak (tests/e2e/test_soak.py), bench.schedule_sim and bench.step_trace (unit tests), and
+`vlmesh bench` against a running mesh (test_bench_mesh.py, test_bench_peer.py, test_http_api.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from services.launcher import free_port
+from tests.helpers import ROOT
+
+DEMO = str(ROOT / "models" / "demo")
+
+
+def tool(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m ARGS` from the repository root; it must exit 0."""
+    result = subprocess.run(
+        [sys.executable, "-m", *args], capture_output=True, text=True, timeout=280, cwd=ROOT, env=env
+    )
+    assert result.returncode == 0, f"{' '.join(args)}:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
+def strict(text: str) -> dict:
+    def refuse(constant: str):
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_decode_step_runs_the_engines_own_steps_on_the_cpu(tmp_path):
+    out = tmp_path / "decode_step.json"
+    result = tool(
+        *("bench.decode_step", "--model", DEMO, "--device", "cpu", "--dtype", "float32", "--batches", "1,2"),
+        *("--context", "40", "--steps", "2", "--prefill", "24", "--mixed", "2", "--copy-mib", "4", "--out", str(out)),
+    )
+    data = strict(out.read_text())
+    assert [r["batch"] for r in data["results"]] == [1, 2]
+    assert all(r["wall_s"] > 0 and r["floor_s"] > 0 and r["device_s"] is None for r in data["results"])
+    assert [(p["mode"], p["prompts"], p["decodes"]) for p in data["prefill"]] == [
+        ("chunks", 1, 0),
+        ("chunks", 3, 0),
+        ("chunks", 1, 2),
+    ]
+    assert "| 2 | 2 | 0.00 |" in result.stdout  # batch 2's row of the decode table
+
+
+def test_engine_host_times_the_engine_thread_with_the_model_taken_out():
+    result = tool("bench.engine_host", "--model", DEMO, "--batch", "4", "--tokens", "8")
+    assert re.fullmatch(r"engine host time per step at batch 4: \d+\.\d{3} ms \(median of \d+\)\n", result.stdout)
+
+
+def test_grpc_chain_runs_each_variant_of_the_bare_chain(tmp_path):
+    out = tmp_path / "chain.json"
+    tool("bench.grpc_chain", "--iters", "3", "--warmup", "1", "--out", str(out))
+    rows = strict(out.read_text())["rows"]
+    assert {(r["hops"], r["transport"]) for r in rows} == {
+        ("one call per hop", "tcp loopback"),
+        ("one call per hop", "unix sockets"),
+        ("persistent streams", "tcp loopback"),
+    }
+    assert all(r["iters"] == 3 and r["p99_ms"] >= r["p50_ms"] > 0 for r in rows)
+
+
+def test_accuracy_asks_each_variant_through_envoy(tmp_path):
+    out = tmp_path / "accuracy.json"
+    tool("bench.accuracy", "--model", DEMO, "--variants", "full=50,int8=50", "--pictures", "1", "--out", str(out))
+    accuracy = strict(out.read_text())["accuracy"]
+    assert sorted(accuracy) == ["full", "int8"]
+    assert all(0 <= share <= 1 for row in accuracy.values() for share in row.values())
+
+
+def test_tracing_overhead_measures_a_mesh_with_tracing_off_and_on():
+    result = tool("bench.tracing_overhead", "--model", DEMO, "--requests", "2", "--repeats", "1")
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines[1:3]] == ["off", "on"]
+    assert lines[-1].startswith("change: latency")
+
+
+def test_vlmesh_bench_starts_its_mesh_and_runs_the_baselines_and_its_traces_make_a_timeline(tmp_path):
+    """The README's sequence: bench.otlp_sink keeps the spans of a `vlmesh bench` run (the mesh it
+    starts, then the in-process engine and transformers), and bench.span_timeline sums them up."""
+    port, spans, out = free_port("127.0.0.1"), tmp_path / "spans.jsonl", tmp_path / "bench"
+    sink = subprocess.Popen(
+        [sys.executable, "-m", "bench.otlp_sink", "--port", str(port), "--out", str(spans)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert sink.stdout.readline().startswith(f"OTLP sink on 127.0.0.1:{port}")  # it is listening
+        env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}"}
+        result = tool(
+            *("services.cli", "bench", "--model", DEMO, "--target", "mesh,inprocess,hf", "--workload", "W1"),
+            *("--rates", "3", "--duration", "2", "--warmup", "0.5", "--out", str(out), "--compare-seeds"),
+            env=env,
+        )
+    finally:
+        sink.terminate()
+        sink.wait(30)
+    data = strict((out / "results.json").read_text())  # figures without samples are null, not NaN
+    runs = {r["target"]: r["summary"] for r in data["runs"]}
+    assert sorted(runs) == ["hf", "inprocess", "mesh"]
+    for target, s in runs.items():
+        assert s["statuses"] == {"OK": s["sent"]} and s["sent"] > 0, target
+    assert runs["hf"]["outside_stages_ms"]["p50"] is None  # transformers reports no stages
+    assert "within theirs" in result.stdout and "per QoS class" in result.stdout
+    timeline = tool("bench.span_timeline", str(spans)).stdout
+    assert re.search(r"^llm +llm\.decode ", timeline, re.M), timeline
