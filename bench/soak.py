@@ -3,12 +3,13 @@
     python -m bench.soak --model models/demo --duration 1800 --load 0.7 --out soak.json
 
 It starts a mesh, measures its capacity (a closed loop of `--concurrency` for `--probe-s`),
-then offers Poisson arrivals at `--load` of that rate, as realtime, standard and best-effort
+then offers Poisson arrivals at `--load` of that rate (or, with `--clients N`, keeps N requests in
+flight, a closed loop that a slower host slows too), as realtime, standard and best-effort
 requests (`--mix`), each a fresh picture (or, with `--pool N`, one of N drawn as W3 draws them), for
 `--duration` seconds. Every `--sample-s` it records
 each service's memory (RSS, and the private part: RSS minus pages shared with other processes,
 such as the feature arenas), open file descriptors and threads, and the shared-memory segments
-on the host.
+the services made.
 
 On a GPU (`--device cuda`) each sample also holds each service's GPU memory: its PyTorch
 allocator's reserved and allocated bytes, read from its /metrics (`vlmesh_gpu_memory_bytes`),
@@ -30,7 +31,6 @@ import argparse
 import asyncio
 import functools
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -45,6 +45,7 @@ import numpy as np
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common import segments
 from services.launcher import Mesh, MeshOptions
 from services.model.shapes import PROMPTS, encode, render
 from vlmesh.v1 import common_pb2 as pb
@@ -145,9 +146,11 @@ def device_used_mib() -> float | None:
 
 
 def sample(procs: dict[str, psutil.Process], t0: float, metrics: dict[str, str]) -> dict:
-    """Each service's memory, descriptors and threads, and the host's shared-memory segments; `metrics`:
-    the /metrics URL of each service on a GPU."""
-    row: dict = {"t_s": round(time.monotonic() - t0, 1), "shm_segments": len(os.listdir("/dev/shm"))}
+    """Each service's memory, descriptors and threads, and the shared-memory segments the services
+    made (services/common/segments.py: not another mesh's on the host); `metrics`: the /metrics URL
+    of each service on a GPU."""
+    shm = len(segments.owned_by({p.pid for p in procs.values()}))
+    row: dict = {"t_s": round(time.monotonic() - t0, 1), "shm_segments": shm}
     for name, p in procs.items():
         mem = p.memory_info()
         row[name] = {
@@ -212,39 +215,69 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+async def poisson(load: Load, rate: float, until: float, rng: random.Random, weights: list[float]) -> None:
+    """Open loop: Poisson arrivals at `rate`, each class drawn by `weights`, until `until`."""
+    i, at = 0, time.monotonic()
+    while at < until:
+        at += rng.expovariate(rate)
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        load.launch(i, rng.choices(CLASSES, weights)[0])
+        i += 1
+
+
+async def closed_loop(load: Load, clients: int, until: float, rng: random.Random, weights: list[float]) -> None:
+    """Closed loop: `clients` each send a request when the last ended, until `until`. The mesh is as
+    busy as the clients keep it, whatever the host's speed: no queue builds up when the host slows."""
+    counter = iter(range(10**9))
+
+    async def client() -> None:
+        while time.monotonic() < until:
+            load.sent += 1
+            await load.one(next(counter), rng.choices(CLASSES, weights)[0])
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+
+
+async def sample_every(samples: list[dict], every_s: float, procs, t0: float, metrics: dict[str, str]) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        samples.append(sample(procs, t0, metrics))
+
+
 async def soak(mesh: Mesh, args) -> dict:
     load = Load(mesh.target("gateway"), args.max_tokens, args.pool)
     procs = {c.name: psutil.Process(c.proc.pid) for c in mesh.children}
     metrics = {}
     if args.device.startswith("cuda"):
         metrics = {n: f"http://127.0.0.1:{p}/metrics" for n, p in mesh.metrics_ports.items() if n != "gateway"}
-    cap = await capacity(load, args.concurrency, args.probe_s)
-    rate = args.load * cap
-    print(f"soak: capacity {cap:.1f} req/s; offering {rate:.1f} req/s for {args.duration:g} s", file=sys.stderr)
     rng = random.Random(SEED)
     weights = [float(x) for x in args.mix.split(",")]
+    if args.clients:
+        cap, rate = None, None
+        print(f"soak: {args.clients} clients, each sending its next request at the last's end", file=sys.stderr)
+    else:
+        cap = await capacity(load, args.concurrency, args.probe_s)
+        rate = args.load * cap
+        print(f"soak: capacity {cap:.1f} req/s; offering {rate:.1f} req/s for {args.duration:g} s", file=sys.stderr)
     t0 = time.monotonic()
     samples = [sample(procs, t0, metrics)]
-    next_sample, i, at = t0 + args.sample_s, 0, t0
-    while at < t0 + args.duration:
-        at += rng.expovariate(rate)
-        await asyncio.sleep(max(0.0, at - time.monotonic()))
-        load.launch(i, rng.choices(CLASSES, weights)[0])
-        i += 1
-        if time.monotonic() >= next_sample:
-            samples.append(sample(procs, t0, metrics))
-            next_sample += args.sample_s
+    sampler = asyncio.create_task(sample_every(samples, args.sample_s, procs, t0, metrics))
+    if args.clients:
+        await closed_loop(load, args.clients, t0 + args.duration, rng, weights)
+    else:
+        await poisson(load, rate, t0 + args.duration, rng, weights)
     # Drain: every request sent must end, with an answer or a status, within its deadline.
     if load.pending:
         await asyncio.wait(set(load.pending), timeout=90)
+    sampler.cancel()
     samples.append(sample(procs, t0, metrics))
     await load.channel.close()
     answered = load.statuses["OK"]
     refused = sum(n for code, n in load.statuses.items() if code != "OK")
     growth = {name: growth_of([s for s in samples if s["t_s"] >= args.warmup], name) for name in procs}
     return {
-        "capacity_rps": round(cap, 2),
-        "offered_rps": round(rate, 2),
+        "capacity_rps": round(cap, 2) if cap else None,
+        "offered_rps": round(rate, 2) if rate else round(load.sent / args.duration, 2),
         "sent": load.sent,
         "answered": answered,
         "refused_with_status": refused,
@@ -268,6 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=120.0, help="seconds of load (default %(default)s)")
     p.add_argument("--warmup", type=float, default=20.0, help="seconds before memory is compared (default %(default)s)")
     p.add_argument("--load", type=float, default=0.7, help="share of the measured capacity (default %(default)s)")
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=0,
+        help="instead of --load: this many clients in a closed loop, each sending its next request when the "
+        "last ended, so the load follows the host's speed (default 0: open loop at --load)",
+    )
     p.add_argument("--mix", default="2,5,3", help="realtime,standard,best-effort weights (default %(default)s)")
     p.add_argument("--concurrency", type=int, default=8, help="the capacity probe's closed loop (default %(default)s)")
     p.add_argument("--probe-s", type=float, default=10.0, help="the capacity probe's length (default %(default)s)")

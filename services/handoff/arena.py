@@ -30,11 +30,10 @@ false "stopped"; only a beat that stands still is.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
-from multiprocessing import resource_tracker, shared_memory
 
+from services.common import segments
 from services.common.errors import FailedPrecondition, Unavailable
 from services.handoff.header import (
     ENTRY,
@@ -67,7 +66,7 @@ class ArenaTable:
         header_bytes = align(TABLE_OFFSET + 16 * n_slots)
         self.data_offset = header_bytes if location == HOST else 0
         size = header_bytes + (n_slots * self.slot_bytes if location == HOST else 0)
-        self.shm = shared_memory.SharedMemory(create=True, size=size)
+        self.shm = segments.create(size)  # named after this process, which alone unlinks it
         self.name = self.shm.name
         self.leases = LeaseTable(n_slots, ttl_s, keep_limit)
         # Held across every lease change and its header write (acquire, share, publish, release,
@@ -152,20 +151,10 @@ class ArenaTable:
         self._beat.join(timeout=2)
         release_words(self)
         self.shm.close()
-        self.shm.unlink()
+        segments.unlink(self.shm)
 
     def __del__(self) -> None:
         release_words(self)
-
-
-def _attach(name: str) -> shared_memory.SharedMemory:
-    if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=name, track=False)
-    shm = shared_memory.SharedMemory(name=name)
-    # Before 3.13 the resource tracker adopts attached segments and unlinks them when
-    # this process exits, destroying the producer's arena. Only the owner unlinks.
-    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    return shm
 
 
 class ArenaView:
@@ -173,7 +162,7 @@ class ArenaView:
 
     def __init__(self, name: str) -> None:
         try:
-            self.shm = _attach(name)
+            self.shm = segments.attach(name)
         except FileNotFoundError as err:
             raise Unavailable(
                 f"feature arena {name!r} does not exist: the vision process that made it has stopped"

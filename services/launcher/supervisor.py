@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2
 
+from services.common import segments
 from services.common.config import WARMUP_KEY_ENV
 from services.common.flags import to_argv
 from services.gateway.config import GatewayConfig
@@ -171,6 +172,7 @@ class Mesh:
     def respawn(self, child: Child) -> Child:
         """Start a dead child again, on the ports it had, and wait until it serves (MeshError if not)."""
         self.children.remove(child)
+        segments.remove_owned_by(child.proc.pid)  # what it could not unlink (killed or stalled)
         configs = {"vision": self.opts.vision, "llm": self._llm_config(), "gateway": self._gateway_config()}
         new = self._spawn(child.name, configs[child.name])
         self._wait_healthy([new], time.monotonic() + self.opts.start_timeout_s)
@@ -221,6 +223,8 @@ class Mesh:
                 except subprocess.TimeoutExpired:
                     child.proc.kill()
                     child.proc.wait()
+        for child in self.children:
+            segments.remove_owned_by(child.proc.pid)
         self.children.clear()
         if self._mps:
             self._mps.stop()

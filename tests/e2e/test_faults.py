@@ -1,6 +1,6 @@
 """A service killed (SIGKILL) or stalled (SIGSTOP) under 16 streams: every stream ends with a
 status soon after, `vlmesh up` restarts the service, the mesh answers again with the same gateway
-address, and nothing is left in /dev/shm."""
+address, and nothing of the mesh's is left in /dev/shm."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 VLMESH = [sys.executable, "-m", "services.cli"]
 STREAMS = 16
 # The internal channels' keepalive (1 s pings, 1 s to answer) ends calls on a stalled peer in
-# about 2 s; the slack is the 2-core CI host's.
-ENDS_WITHIN_S = 3.0
+# about 2 s (the streams print when they ended). The bound is what a 2-core host running another
+# test suite beside this one can keep; a stream left hanging would run into the 60 s join.
+ENDS_WITHIN_S = 10.0
 # A client of the public port cannot rely on the mesh for a stalled gateway: it pings as well.
 CLIENT_OPTIONS = (
     ("grpc.keepalive_time_ms", 1000),
@@ -33,8 +34,11 @@ CLIENT_OPTIONS = (
 )
 
 
-def shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def shm_of(pids: set[int]) -> set[str]:
+    """The shared-memory segments these processes made (named vlmesh-PID-*: services/common/segments.py);
+    another test run's beside this one are not counted."""
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return {n for n in names if n.startswith("vlmesh-") and int(n.split("-")[1]) in pids}
 
 
 class Up:
@@ -97,8 +101,8 @@ def stream(target: str, i: int, started: threading.Barrier, out: dict) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
 @pytest.mark.parametrize("service", ["llm", "vision", "gateway"])
 def test_a_fault_ends_every_stream_and_the_mesh_heals(tiny_model, tmp_path, service, sig):
-    before = shm()
     up = Up(tiny_model, tmp_path)
+    pids = {up.pid(name) for name in ("gateway", "vision", "llm")}
     try:
         started, out = threading.Barrier(STREAMS + 1), {}
         threads = [threading.Thread(target=stream, args=(up.target, i, started, out)) for i in range(STREAMS)]
@@ -136,7 +140,12 @@ def test_a_fault_ends_every_stream_and_the_mesh_heals(tiny_model, tmp_path, serv
                 time.sleep(0.5)
         healed = time.monotonic() - fault
         assert up.pid(service) != victim
-        assert httpx.get(f"{up.http}/health", timeout=5).json() == {"status": "ok"}  # the same HTTP port too
+        pids |= {up.pid(service)}
+        # The same HTTP port too, ready again once the gateway's next probes see its peers (0.5 s apart).
+        deadline = time.monotonic() + 30
+        while (health := httpx.get(f"{up.http}/health", timeout=5).json()) != {"status": "ok"}:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.2)
         # The launcher says so once its own health check sees the new process serve, which can be
         # a moment after this client's first answer.
         said = f"{service} is serving again"
@@ -147,7 +156,5 @@ def test_a_fault_ends_every_stream_and_the_mesh_heals(tiny_model, tmp_path, serv
         print(f"{service} {sig.name}: answering again {healed:.1f} s after the fault")
     finally:
         up.stop()
-    deadline = time.monotonic() + 10
-    while shm() - before and time.monotonic() < deadline:  # the tracker unlinks a killed arena's segment
-        time.sleep(0.2)
-    assert shm() - before == set(), "shared-memory segments left behind"
+    # The launcher unlinks what a killed (or stalled, then killed) process could not, as it sees it dead.
+    assert shm_of(pids) == set(), "shared-memory segments left behind"

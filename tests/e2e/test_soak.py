@@ -1,6 +1,9 @@
-"""Two minutes of a QoS mix at 70% of the demo mesh's capacity (python -m bench.soak, run as its
-users run it): nothing lost, no descriptor or shared-memory segment left over, and no service's
-memory growing past a leak's bound after the warm-up.
+"""Two minutes of a QoS mix from 6 clients in a closed loop on the demo mesh (8 sequences a batch:
+some 70% of its capacity; python -m bench.soak, run as its users run it): nothing lost, no
+descriptor or shared-memory segment left over, and no service's memory growing past a leak's
+bound after the warm-up. A closed loop, not Poisson arrivals at a rate measured once: the host may
+be busy with other work (another test run beside this one), and a rate it could keep at the start
+would build a queue later, which is load, not a leak.
 
 The caches are small here (an 8 MiB feature cache, a 0.02 GiB KV pool, 256 image keys in the
 gateway), so that they are full within the warm-up: a cache that fills up to its bound is not a
@@ -27,10 +30,10 @@ MAX_GROWTH = 0.01
 SMALL_CACHES = ["--", "--feature-cache-mib", "8", "--kv-cache-gib", "0.02", "--image-key-cache", "256"]
 
 
-def test_two_minutes_at_70_percent_lose_nothing_and_leak_nothing(tmp_path):
+def test_two_minutes_of_a_qos_mix_lose_nothing_and_leak_nothing(tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, "-m", "bench.soak", "--model", str(ROOT / "models" / "demo"), "--duration", "120"]
-    cmd += ["--warmup", "20", "--load", "0.7", "--sample-s", "1", "--max-growth", str(MAX_GROWTH), "--out", str(out)]
+    cmd += ["--warmup", "20", "--clients", "6", "--sample-s", "1", "--max-growth", str(MAX_GROWTH), "--out", str(out)]
     cmd += SMALL_CACHES
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.exists(), result.stderr[-3000:]
@@ -38,7 +41,7 @@ def test_two_minutes_at_70_percent_lose_nothing_and_leak_nothing(tmp_path):
     summary = {k: soak[k] for k in ("capacity_rps", "offered_rps", "sent", "statuses", "lost", "growth_after_warmup")}
     print(json.dumps(summary))
     assert soak["sent"] > 100 and soak["lost"] == 0, summary
-    assert soak["statuses"].get("OK", 0) >= 0.9 * soak["sent"], summary  # 70% of capacity: nearly all answered
+    assert soak["statuses"].get("OK", 0) >= 0.9 * soak["sent"], summary  # below capacity: nearly all answered
     for name, growth in soak["growth_after_warmup"].items():
         assert growth["rss"] <= MAX_GROWTH and growth["private"] <= MAX_GROWTH, (name, growth)
         assert growth["fds"] <= 2, (name, growth)
