@@ -92,14 +92,6 @@ def ask(stub, pin: str | None = None) -> str:
     return dict(call.initial_metadata())["x-model-variant"]
 
 
-def test_1000_requests_split_70_30_by_weight(stub):
-    with ThreadPoolExecutor(8) as pool:
-        served = Counter(pool.map(lambda _: ask(stub), range(1000)))
-    print("split:", dict(served))
-    assert set(served) == {"full", "int8"}, served
-    assert 650 <= served["full"] <= 750 and 250 <= served["int8"] <= 350  # within 5 points of 70/30
-
-
 def test_a_pinned_request_goes_to_its_variant_only(stub):
     assert {ask(stub, pin="int8") for _ in range(20)} == {"int8"}
     assert {ask(stub, pin="full") for _ in range(20)} == {"full"}
@@ -175,10 +167,13 @@ def chat(client, model: str = "demo", **kw) -> str:
     return raw.headers["x-model-variant"]
 
 
-def test_the_openai_client_through_the_split_70_30(client):
+@pytest.mark.parametrize("door", ["grpc", "http"])
+def test_1000_requests_split_70_30_by_weight(stub, client, door):
+    """Through either door (over HTTP with the official openai client), by the same weights."""
+    once = (lambda _: ask(stub)) if door == "grpc" else (lambda _: chat(client))
     with ThreadPoolExecutor(8) as pool:
-        served = Counter(pool.map(lambda _: chat(client), range(1000)))
-    print("split over HTTP:", dict(served))
+        served = Counter(pool.map(once, range(1000)))
+    print(f"split over {door}:", dict(served))
     assert set(served) == {"full", "int8"}, served
     assert 650 <= served["full"] <= 750 and 250 <= served["int8"] <= 350  # within 5 points of 70/30
 
