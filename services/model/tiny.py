@@ -70,8 +70,9 @@ def build_tiny_llava(
     text_width: int = 64,
     vocab_size: int = 384,
     center_crop: bool = True,
+    context: int = 512,
 ) -> Path:
-    """Write a random tiny LLaVA checkpoint to `out_dir` and return its path."""
+    """Write a random tiny LLaVA checkpoint to `out_dir` and return its path; `context`: its positions."""
     vision = {
         "hidden_size": vision_width,
         "intermediate_size": vision_width * 2,
@@ -88,7 +89,7 @@ def build_tiny_llava(
         # head_dim 32: vLLM's CPU attention has no kernel for 16 (the vLLM engine tests use this model).
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
-        "max_position_embeddings": 512,
+        "max_position_embeddings": context,
     }
     return build_llava(out_dir, vision, text, vocab_size, seed, center_crop)
 

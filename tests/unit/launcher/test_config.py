@@ -249,6 +249,8 @@ def test_children_are_started_with_their_configs_argv(monkeypatch):
     spawned = {}
 
     class FakeProc:
+        pid = 0  # no process: no shared memory of its own to remove at stop
+
         def __init__(self, cmd, env, start_new_session):  # no preexec_fn: lifeline.py says why
             assert start_new_session  # own session
             # Through the lifeline, which ties the child to this launcher, then execs it.

@@ -36,6 +36,8 @@ def test_the_mesh_starts_a_daemon_gives_its_children_the_pipe_and_quits_it(fake_
     envs = {}
 
     class FakeProc:
+        pid = 0  # no process: no shared memory of its own to remove at stop
+
         def __init__(self, cmd, env, start_new_session):
             envs[cmd[6].removeprefix("services.")] = env
 
