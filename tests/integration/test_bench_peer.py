@@ -25,16 +25,18 @@ if importlib.util.find_spec("vllm") is None:
 
 
 def vllm_servers() -> list[int]:
-    """PIDs of vLLM OpenAI servers started from this checkout's peer checkpoints."""
+    """PIDs of vLLM OpenAI servers started from this checkout's peer checkpoints (running in it:
+    another checkout's test run beside this one has its own)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            here = (entry / "cwd").resolve() == ROOT
         except OSError:
             continue
-        if "vllm.entrypoints.openai.api_server" in cmdline and "vllm-peer" in cmdline:
+        if "vllm.entrypoints.openai.api_server" in cmdline and "vllm-peer" in cmdline and here:
             found.append(int(entry.name))
     return found
 
