@@ -8,8 +8,10 @@ reports that as the status of its own service name (`vlmesh.v1.Gateway`) on the 
 service, and on the HTTP door's /health. The overall status (service "") stays SERVING while the
 process serves: that is liveness, which the launcher watches; readiness is what routers read.
 
-A worker is down after `MISSES` failed probes in a row (a dead peer refuses at once; a stalled
-one times out after `TIMEOUT_S`) and up again at its first answer.
+A worker is down after `MISSES` refused probes in a row (a dead peer refuses at once, and so, once
+the channel's keepalive gives up on it within about 2 s, does a stalled one), or after `SLOW_S` of
+probes that all timed out (a peer whose process runs but does not answer): a peer that is merely
+slow on a busy host is not taken out. It is up again at its first answer.
 """
 
 from __future__ import annotations
@@ -30,15 +32,17 @@ log = logging.getLogger(__name__)
 INTERVAL_S = 0.5
 TIMEOUT_S = 1.0
 MISSES = 2
+SLOW_S = 5.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
+OK, TIMED_OUT, REFUSED = 0, 1, 2
 
 
-async def _answers(stub: health_pb2_grpc.HealthStub) -> bool:
+async def _answer(stub: health_pb2_grpc.HealthStub) -> int:
     try:
         reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=TIMEOUT_S)
-    except grpc.RpcError:
-        return False
-    return reply.status == SERVING
+    except grpc.RpcError as err:
+        return TIMED_OUT if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED else REFUSED
+    return OK if reply.status == SERVING else REFUSED
 
 
 class Readiness:
@@ -49,7 +53,9 @@ class Readiness:
             (w.name, health_pb2_grpc.HealthStub(w.vision_channel), health_pb2_grpc.HealthStub(w.llm_channel))
             for w in workers
         ]
-        self._misses = {w.name: 0 for w in workers}
+        self._misses = {w.name: 0 for w in workers}  # refused probes in a row
+        self._silent_since: dict[str, float] = {}  # since when every probe of the worker timed out
+        self._down_logged: dict[str, bool] = {}
         self.on_change = on_change  # e.g. the gRPC server's readiness (set once it has started)
         self.ready = True  # until a probe says otherwise: `vlmesh up` starts the gateway after its peers
         self._task: asyncio.Task | None = None
@@ -71,15 +77,25 @@ class Readiness:
         return ready
 
     async def _probe(self, name: str, vision: health_pb2_grpc.HealthStub, llm: health_pb2_grpc.HealthStub) -> bool:
-        vision_ok, llm_ok = await asyncio.gather(_answers(vision), _answers(llm))
-        if vision_ok and llm_ok:
+        answers = dict(zip(("vision", "llm"), await asyncio.gather(_answer(vision), _answer(llm)), strict=True))
+        if all(a == OK for a in answers.values()):
             self._misses[name] = 0
+            self._silent_since.pop(name, None)
+            self._down_logged[name] = False
             return True
-        self._misses[name] += 1
-        if self._misses[name] == MISSES:
-            down = " and ".join(peer for peer, ok in (("vision", vision_ok), ("llm", llm_ok)) if not ok)
-            log.warning("worker %s: its %s does not answer its health checks", name, down)
-        return self._misses[name] < MISSES
+        now = asyncio.get_running_loop().time()
+        if REFUSED in answers.values():
+            self._misses[name] += 1
+            self._silent_since.pop(name, None)
+        else:
+            self._silent_since.setdefault(name, now)
+        silent = now - self._silent_since.get(name, now)
+        down = self._misses[name] >= MISSES or silent >= SLOW_S
+        if down and not self._down_logged.get(name):
+            peers = " and ".join(peer for peer, a in answers.items() if a != OK)
+            log.warning("worker %s: its %s does not answer its health checks", name, peers)
+        self._down_logged[name] = down
+        return not down
 
     def start(self) -> None:
         """Probe every INTERVAL_S until `stop`."""

@@ -117,7 +117,7 @@ class Health:
     """Envoy's active health checks of the gateways: a gateway not ready is out within about a second."""
 
     interval_s: float = 0.5
-    timeout_s: float = 1.0
+    timeout_s: float = 2.0  # a busy host answers late; a dead gateway refuses at once, a not-ready one says so
     unhealthy_threshold: int = 2
     healthy_threshold: int = 1
 

@@ -49,6 +49,9 @@ class Up:
         cmd = [*VLMESH, "up", "--model", str(model), "--gateway-port", "0", "--vision-port", "0", "--llm-port", "0"]
         cmd += ["--metrics-ports", "-1,-1,-1", "--warmup-requests", "1", "--log-level", "warning", "--threads", "1"]
         cmd += ["--http-port", "0"]
+        # Room in the latency budgets for 16 streams of 400 tokens on a busy host: admission would
+        # refuse some at once, and this test is about the fault, not admission.
+        cmd += ["--class-budget-scale", "realtime=100,standard=100,best-effort=400"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True, env=env)
         deadline = time.monotonic() + 120
@@ -87,7 +90,12 @@ def stream(target: str, i: int, started: threading.Barrier, out: dict) -> None:
     with grpc.insecure_channel(target, options=CLIENT_OPTIONS) as channel:
         call = gateway_pb2_grpc.GatewayStub(channel).Generate(request(400, 30 + i), timeout=120)
         try:
-            next(call)
+            try:
+                next(call)
+            except grpc.RpcError as err:  # before the fault: say so, not as a barrier that timed out
+                out[i] = (f"before the fault: {err.code().name}: {err.details()}", time.monotonic())
+                started.abort()
+                return
             started.wait(timeout=60)
             for _ in call:
                 pass
@@ -108,7 +116,10 @@ def test_a_fault_ends_every_stream_and_the_mesh_heals(tiny_model, tmp_path, serv
         threads = [threading.Thread(target=stream, args=(up.target, i, started, out)) for i in range(STREAMS)]
         for t in threads:
             t.start()
-        started.wait(timeout=60)  # every stream has its first token: all 16 are decoding
+        try:
+            started.wait(timeout=60)  # every stream has its first token: all 16 are decoding
+        except threading.BrokenBarrierError:
+            pytest.fail(f"not every stream started: {out}")
         victim = up.pid(service)
         os.kill(victim, sig)
         fault = time.monotonic()

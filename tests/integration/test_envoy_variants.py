@@ -7,6 +7,7 @@ gateway killed under load."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import signal
 import ssl
 import threading
@@ -108,7 +109,7 @@ def test_new_weights_take_effect_without_a_restart(variants, stub):
 
 
 def test_best_effort_work_over_the_full_variants_queue_is_served_by_the_cheaper_one(variants, stub):
-    """Issue 19's degradation: the full variant busy (one long request in flight), a best-effort
+    """Issue 19's degradation: the full variant busy (long requests in flight), a best-effort
     request routed to it is relayed to int8 and says so; a standard one stays on full; pinned
     to full, best-effort is refused as before."""
     variants.set_weights({"full": 100, "int8": 0})
@@ -120,11 +121,26 @@ def test_best_effort_work_over_the_full_variants_queue_is_served_by_the_cheaper_
         images=[pb.Image(data=PICTURE)], prompt="What?", sampling=pb.SamplingParams(max_tokens=2)
     )
     best_effort = (("qos-level", "best-effort"),)
+    on_full = (("x-model-variant", "full"),)
+    stop, started = threading.Event(), threading.Semaphore(0)
+
+    def keep_full_busy() -> None:  # one long request after another, pinned to full
+        while not stop.is_set():
+            call = stub.Generate(long, metadata=on_full, timeout=60)
+            with contextlib.suppress(grpc.RpcError):
+                for i, _ in enumerate(call):
+                    if i == 0:
+                        started.release()
+                    if stop.is_set():
+                        call.cancel()
+
+    # Two of them, so that full is busy even between one's end and the next's start (the demo model
+    # decodes its some 200 tokens in well under a second).
+    busy = [threading.Thread(target=keep_full_busy) for _ in range(2)]
     try:
-        busy = stub.Generate(long, timeout=60)
-        next(busy)  # admitted and decoding on full
-        # The checks that need full busy first (the long request ends in a few seconds on a
-        # loaded host); a standard request lands on full whether it is busy or not.
+        for t in busy:
+            t.start()
+        assert started.acquire(timeout=60) and started.acquire(timeout=60)  # both decoding on full
         with pytest.raises(grpc.RpcError) as refused:
             stub.GenerateUnary(short, metadata=(*best_effort, ("x-model-variant", "full")), timeout=30)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -134,8 +150,10 @@ def test_best_effort_work_over_the_full_variants_queue_is_served_by_the_cheaper_
         _, call = stub.GenerateUnary.with_call(short, timeout=30)
         assert dict(call.initial_metadata())["x-model-variant"] == "full"
         assert "x-vlmesh-degraded" not in dict(call.initial_metadata())
-        busy.cancel()
     finally:
+        stop.set()
+        for t in busy:
+            t.join(60)
         variants.set_weights({"full": 70, "int8": 30})
     gateway = variants.meshes["full"]
     with urllib.request.urlopen(

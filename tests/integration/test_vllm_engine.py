@@ -85,8 +85,28 @@ def test_greedy_tokens_match_transformers(vmesh, tiny_model):
 def test_realtime_overtakes_waiting_best_effort(vmesh):
     """One sequence at a time: a long request runs; two best-effort then one realtime request wait.
 
-    vLLM's priority policy must start the realtime one first, whatever the arrival order.
+    vLLM's priority policy must start the realtime one first, whatever the arrival order. Our llm
+    has sent the three once they are counted, but vLLM's engine core takes them in between its
+    steps: on a busy host the long request may end before all three are in its queue, and then
+    there is nothing to order. Such a try (the long request ending within 0.2 s of the last
+    send) is made again; the ordering itself is never given another chance.
     """
+    for _ in range(3):
+        finished, futures, queued_all, long_done = one_overtaking_try(vmesh)
+        if long_done > queued_all + 0.2:
+            break
+    else:
+        pytest.fail("three times the long request ended as the others were sent: nothing was tested")
+    assert finished["rt"] < finished["be-1"] and finished["rt"] < finished["be-2"], finished
+    # vLLM's own stamps split its queue from the prefill: the waiting is queue time, not prefill.
+    t = futures["be-2"].result().timings
+    assert t.llm_queue_ms > 50 and t.llm_queue_ms > 5 * t.prefill_ms > 0, t
+    assert t.decode_ms > 0 and t.llm_queue_ms + t.prefill_ms + t.decode_ms < t.total_ms, t
+
+
+def one_overtaking_try(vmesh) -> tuple[dict[str, float], dict, float, float]:
+    """A long request, then be-1, be-2 and rt behind it: (when each of those finished, their futures,
+    when the last was sent, when the long one ended)."""
     long_call = vmesh.stub.Generate(req(440), metadata=[("qos-level", "standard")], timeout=120)
     next(long_call)  # it holds the only sequence
     finished: dict[str, float] = {}
@@ -97,7 +117,7 @@ def test_realtime_overtakes_waiting_best_effort(vmesh):
         fut = vmesh.stub.GenerateUnary.future(req(4, seed=7), metadata=[("qos-level", level)], timeout=120)
         fut.add_done_callback(lambda f, n=name: finished.setdefault(n, time.monotonic()))
         futures[name] = fut
-        assert settle(vmesh.metrics_ports["llm"], EMBEDS, before + 1) == before + 1  # queued in vLLM now
+        assert settle(vmesh.metrics_ports["llm"], EMBEDS, before + 1) == before + 1  # sent to vLLM now
 
     send("be-1", "best-effort")
     send("be-2", "best-effort")
@@ -106,14 +126,9 @@ def test_realtime_overtakes_waiting_best_effort(vmesh):
     rest = list(long_call)
     long_done = time.monotonic()
     assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
-    assert long_done > queued_all, "the long request ended before the others were queued: nothing was tested"
     for fut in futures.values():
         assert fut.result().usage.output_tokens == 4
-    assert finished["rt"] < finished["be-1"] and finished["rt"] < finished["be-2"], finished
-    # vLLM's own stamps split its queue from the prefill: the waiting is queue time, not prefill.
-    t = futures["be-2"].result().timings
-    assert t.llm_queue_ms > 50 and t.llm_queue_ms > 5 * t.prefill_ms > 0, t
-    assert t.decode_ms > 0 and t.llm_queue_ms + t.prefill_ms + t.decode_ms < t.total_ms, t
+    return finished, futures, queued_all, long_done
 
 
 def test_cancelled_stream_is_aborted_and_the_engine_keeps_serving(vmesh):
