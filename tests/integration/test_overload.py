@@ -1,7 +1,7 @@
 """3x the measured capacity for 30 s, 20% realtime, 60% standard, 20% best-effort (bench/overload.py).
 
 The mesh runs the latency-protection profile of docs/PERF.md (--max-in-flight
-realtime=24,standard=4,best-effort=2). Every request ends answered or refused, realtime is
+realtime=24,standard=2,best-effort=1). Every request ends answered or refused, realtime is
 never refused and keeps its P99 within 2x of its P99 when it has the mesh to itself,
 best-effort absorbs the most refusals, and refusals come back at once. With a cheaper variant
 beside it, best-effort is degraded to that variant before it is refused (issue 19).
@@ -25,7 +25,7 @@ from tests.helpers import ROOT
 
 pytestmark = pytest.mark.timeout(900)  # a run waits for another's turn at the host (our_turn)
 
-PROFILE = ["--max-in-flight", "realtime=24,standard=4,best-effort=2"]
+PROFILE = ["--max-in-flight", "realtime=24,standard=2,best-effort=1"]
 
 
 # The latencies compared here are the mesh's own, alone and at 3x its capacity. On a host that also
