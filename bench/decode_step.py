@@ -42,7 +42,7 @@ from services.common.sampling import Sampling
 from services.llm.block_manager import BlockManager
 from services.llm.kv_cache import KvConfig, page_bytes
 from services.llm.request import Request
-from services.llm.runner import ModelRunner
+from services.llm.runner import ModelRunner, RunnerConfig
 from services.llm.scheduler import Chunk
 from services.model.qlinear import Int4Linear, Int8Linear
 from services.model.quantize import weight_bytes as stored_bytes
@@ -288,9 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"building the engine's runner for {spec.model_id} ({what}) ...", flush=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # the build's progress
     kv = KvConfig(128, 0.0, 0.6)
-    runner = ModelRunner(
-        spec, device, dtype, max_batch, kv, max_prefill, quantize=args.quantize, skinny_gemv=args.skinny_gemv
-    )
+    cfg = RunnerConfig(max_batch, kv, max_prefill, quantize=args.quantize, skinny_gemv=args.skinny_gemv)
+    runner = ModelRunner(spec, device, dtype, cfg)
     print(f"ready in {time.perf_counter() - t0:.1f} s (weights, warm-up, compile, graph capture)", flush=True)
     bandwidth = copy_bandwidth(device, args.copy_mib * 2**20)
     results = []

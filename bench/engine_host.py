@@ -1,8 +1,9 @@
 """The native engine's host cost per step, with the model's work taken out.
 
-The engine's own runner, built on the CPU, launches no model: every sampled row gets one token
-at once, through the lane's own token fetch. So what a step costs here is what the engine
-thread does between two steps on any device: scheduling, the postprocess (EOS and length
+The engine's own runner, built on the CPU, stages each step's inputs as it does on any device
+but runs no model: every sampled row gets one token at once, through the runner's own token
+fetch. So what a step costs here is what the engine thread does around the model on any device:
+scheduling, staging, the postprocess (EOS and length
 checks, incremental detokenization, stop strings) and handing each output to the servicer's
 event loop. On a GPU that time is added to every step: the device waits for the host's next
 launch. `--batch` requests of `--tokens` tokens each are queued first, then the engine starts;
@@ -27,13 +28,10 @@ import torch
 from services.common.qos import QosLevel
 from services.common.sampling import Sampling
 from services.llm.engine import NativeEngine
-from services.llm.fetch import TokenFetch
 from services.llm.interface import Job
 from services.llm.kv_cache import KvConfig
-from services.llm.lane import Lane
-from services.llm.request import Request
-from services.llm.runner import ModelRunner
-from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS, Chunk
+from services.llm.runner import ModelRunner, RunnerConfig, StepInputs
+from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS
 from services.model.prompt import PromptBuilder
 from services.model.spec import load_spec
 
@@ -41,27 +39,23 @@ PAGE_SIZE = 16  # KV positions a page: the pool holds --batch sequences of the m
 
 
 class NoModel(ModelRunner):
-    """The engine's runner on the CPU with the model's work taken out: a launch gives every sampled
-    row `token` at once (the model's weights are loaded, never run: use a small checkpoint)."""
+    """The engine's runner on the CPU with the model's work taken out: a step's forward runs nothing
+    and every sampled row gets `token` (the model's weights are loaded, never run: use a small checkpoint)."""
 
     token = 0
 
-    def launch(self, chunks: list[Chunk], decodes: list[Request], lane: Lane) -> TokenFetch:
-        for c in chunks:
-            c.req.computed = c.end
-        for r in decodes:
-            r.computed += 1
-        fetch = lane.take()
-        fetch.start(torch.full((sum(c.completes for c in chunks) + len(decodes),), self.token, dtype=torch.int64))
-        return fetch
+    def forward(self, step: StepInputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [], []
+
+    def sample(self, step: StepInputs, logits: list, argmax: list) -> torch.Tensor | None:
+        return torch.full((len(step.sampled),), self.token, dtype=torch.int64) if step.sampled else None
 
 
 async def measure(model: str, batch: int, tokens: int, stop: tuple[str, ...]) -> dict:
     spec = load_spec(model)
     prompts = PromptBuilder(spec)
-    runner = NoModel(
-        spec, torch.device("cpu"), torch.float32, batch, KvConfig(PAGE_SIZE, 0.0, 0.0), DEFAULT_MAX_PREFILL_TOKENS
-    )
+    cfg = RunnerConfig(batch, KvConfig(PAGE_SIZE, 0.0, 0.0), DEFAULT_MAX_PREFILL_TOKENS)
+    runner = NoModel(spec, torch.device("cpu"), torch.float32, cfg)
     runner.token = prompts.tokenizer("a", add_special_tokens=False)["input_ids"][-1]  # a plain word piece
     sampling = Sampling(
         max_tokens=tokens, temperature=0.0, top_p=1.0, seed=None, stop=stop, min_tokens=0, ignore_eos=True

@@ -3,7 +3,7 @@
 
 The engine's Scheduler and BlockManager (services/llm) run as they serve; what the GPU does is
 a model of each step's time, fitted to the H200's measurements of the 7B-shaped preset in the
-mesh under MPS, with the engine a step ahead (docs/PERF.md, the sixteenth session's step traces
+mesh under MPS, with the engine a step ahead (docs/PERF.md, the step traces of 2026-12-04, `b8fc945`,
 at 25-45 req/s; with these defaults and `--overheads docs/bench/h200-ahead/call2-w1w2-results.json.gz`
 the model gave W1's P99 317 / 367 / 426 ms at 35 / 40 / 45 req/s, where the mesh measured
 317-320 / 336 / 382):
@@ -23,15 +23,9 @@ the model gave W1's P99 317 / 367 / 426 ms at 35 / 40 / 45 req/s, where the mesh
 Every request is W1-shaped: 576 image and 32 text positions, 16 tokens out (the first from the
 prefill), the QoS mix 20/60/20, Poisson arrivals.
 
-`--lanes split` runs the engine's two-lane schedule instead (services/llm/split_loop.py): the
-scheduler's prefill plans (`schedule(decodes=False)`) and decode plans
-(`decodable()`) as two lanes at once, each step `--split-prefill-scale` / `--split-decode-scale`
-times its cost in a shared lane (the prefill on its partition of the SMs; no decode rides in it).
-
     python -m bench.schedule_sim [--rates 20,25,30,35,40] [--duration 600] [--seeds 3]
         [--overheads results.json.gz] [--decode-scale 1.0] [--prompt-scale 1.0]
         [--max-prefill-tokens 1024] [--max-batch 32]
-        [--lanes split --split-prefill-scale 1.5 --split-decode-scale 1.0]
 """
 
 from __future__ import annotations
@@ -48,7 +42,7 @@ from services.common.qos import QosLevel
 from services.common.sampling import Sampling
 from services.llm.block_manager import BlockManager
 from services.llm.packed import decode_row_sizes, row_buckets
-from services.llm.request import Request
+from services.llm.request import Request, Status
 from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS, Scheduler
 
 IMAGE, TEXT, OUT = 576, 32, 16
@@ -159,7 +153,8 @@ class Run:
             r.computed += 1
             r.output_ids.append(1)
         for r in [*decodes, *(c.req for c in chunks if c.completes)]:
-            if len(r.output_ids) >= OUT and r.running:
+            if len(r.output_ids) >= OUT and r.status is Status.RUNNING:
+                r.status = Status.FINISHED
                 self.sched.finish(r)
                 self.last[r.id] = end
                 self.done[r.id] = end + self.back_ms[r.id] / 1e3
@@ -199,43 +194,6 @@ def simulate(rate: float, duration: float, seed: int, model: StepModel, args) ->
     return run.result(args.warmup)
 
 
-def simulate_split(rate: float, duration: float, seed: int, model: StepModel, args) -> dict:
-    """One run through two lanes (`--lanes split`, services/llm/split_loop.py): a prefill step and a
-    decode step at once, each `--split-prefill-scale` / `--split-decode-scale` times its shared cost."""
-    run = Run(rate, duration, seed, args)
-    sched, clock = run.sched, run.clock
-    buckets = row_buckets(args.max_prefill_tokens)
-    lanes: dict[str, tuple | None] = {"prefill": None, "decode": None}  # (end, chunks, decodes)
-
-    def hold(lane: tuple, flying: bool) -> None:  # the engine's Request.in_flight, while a step runs
-        for req in [c.req for c in lane[1]] + lane[2]:
-            req.in_flight = flying
-
-    while run.busy:
-        run.admit()
-        if lanes["prefill"] is None:
-            plan = sched.schedule(decodes=False)
-            if plan.prefill:
-                rows = sum(c.end - c.start for c in plan.prefill)
-                ms = model.packed(rows, next(b for b in buckets if b >= rows), 0) * args.split_prefill_scale
-                lanes["prefill"] = (clock[0] + ms / 1e3, plan.prefill, [])
-                hold(lanes["prefill"], True)
-        if lanes["decode"] is None and (decodes := sched.decodable()):
-            lanes["decode"] = (clock[0] + model.decode(len(decodes)) * args.split_decode_scale / 1e3, [], decodes)
-            hold(lanes["decode"], True)
-        end = min((lane[0] for lane in lanes.values() if lane), default=float("inf"))
-        if lanes["prefill"] is None and run.next_arrival() < end:  # an arrival may start the idle lane
-            clock[0] = run.next_arrival()
-            continue
-        clock[0] = end
-        for name, lane in lanes.items():
-            if lane and lane[0] <= end:
-                hold(lane, False)
-                run.ran(lane[1], lane[2], end)
-                lanes[name] = None
-    return run.result(args.warmup)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.schedule_sim", description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", default="20,25,30,35,40")
@@ -256,20 +214,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--overheads", default=None, help="a vlmesh bench results file: draw front and back from it")
     p.add_argument("--decode-scale", type=float, default=1.0, help="what-if: decode-only steps take this share")
     p.add_argument("--prompt-scale", type=float, default=1.0, help="what-if: steps with prompts take this share")
-    p.add_argument("--lanes", default="shared", choices=("shared", "split"), help="the engine's --lanes")
-    p.add_argument(
-        "--split-prefill-scale",
-        type=float,
-        default=1.5,
-        help="split: a prefill-lane step's time over the shared step's (the H200 probe, 96 SMs: 1.5; the "
-        "mesh's at ca14908: 1.76)",
-    )
-    p.add_argument(
-        "--split-decode-scale",
-        type=float,
-        default=1.0,
-        help="split: a decode-lane step's time over the shared one's (the probe: 1.0; the mesh's: 1.34)",
-    )
     args = p.parse_args(argv)
     decode = {int(b): float(ms) for b, ms in (kv.split(":") for kv in args.decode_ms.split(","))}
     model = StepModel(
@@ -286,8 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| offered req/s | e2e p50 / p99 ms (seeds: median, range of p99) | TTFT p50 / p99 | TPOT p50 / p99 | done |")
     print("| --- | --- | --- | --- | --- |")
     for rate in (float(r) for r in args.rates.split(",")):
-        sim = simulate_split if args.lanes == "split" else simulate
-        runs = [sim(rate, args.duration, seed, model, args) for seed in range(args.seeds)]
+        runs = [simulate(rate, args.duration, seed, model, args) for seed in range(args.seeds)]
         p99s = sorted(percentile(r["e2e"], 0.99) for r in runs)
 
         def med(key: str, q: float, runs: list[dict] = runs) -> float:

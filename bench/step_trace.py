@@ -17,7 +17,6 @@ With `--detail`, each segment also gets step p50 (and the device's part, on CUDA
 batch, for decode-only steps and for steps of one prompt with decodes riding (what a riding
 decode costs a prompt step), and on CUDA the split's p50 for each of the two kinds (the host
 staging of a prompt step is several times a decode step's, and the p50 over all steps hides it).
-A trace of `--lanes split` also gets each lane's step p50 with the other lane idle and busy.
 
     python -m bench.step_trace PATH[.gz] [--pause 1.0] [--detail]
 """
@@ -25,7 +24,6 @@ A trace of `--lanes split` also gets each lane's step p50 with the other lane id
 from __future__ import annotations
 
 import argparse
-import bisect
 import gzip
 import json
 import statistics
@@ -123,38 +121,7 @@ def detail(seg: list[dict]) -> str:
         if timed:
             split = ", ".join(f"{part} {percentile([r[f'{part}_ms'] for r in timed], 50):.2f}" for part in PARTS)
             lines.append(f"  {title} steps, split p50: {split} (n {len(timed)})")
-    return "\n".join(lines + lane_overlap(seg))
-
-
-def busy_share(step: dict, others: list[tuple[float, float]], starts: list[float]) -> float:
-    """The share of a step's run during which the other lane was inside a step."""
-    a, b = step["t"], step["t"] + step["run_ms"] / 1e3
-    i, busy = max(0, bisect.bisect_left(starts, a) - 1), 0.0
-    while i < len(others) and others[i][0] < b:
-        busy += max(0.0, min(b, others[i][1]) - max(a, others[i][0]))
-        i += 1
-    return busy / (b - a) if b > a else 0.0
-
-
-def lane_overlap(seg: list[dict]) -> list[str]:
-    """`--lanes split`: each lane's step p50 (device, on CUDA) with the other lane idle (under 5% of
-    the step) and busy (over 95%): what the two cost each other when they run at once."""
-    lanes = {r.get("lane") for r in seg}
-    if not {"prefill", "decode"} <= lanes:
-        return []
-    lines = []
-    for lane, other in (("prefill", "decode"), ("decode", "prefill")):
-        spans = sorted((r["t"], r["t"] + r["run_ms"] / 1e3) for r in seg if r.get("lane") == other)
-        starts = [a for a, _ in spans]
-        mine = [r for r in seg if r.get("lane") == lane and (r["prompts"] == 1 or lane == "decode")]
-        cells = []
-        for name, keep in (("idle", lambda x: x < 0.05), ("busy", lambda x: x > 0.95)):
-            band = [r.get("device_ms", r["run_ms"]) for r in mine if keep(busy_share(r, spans, starts))]
-            if band:
-                cells.append(f"{other} {name}: {percentile(band, 50):.2f} (n {len(band)})")
-        what = "one-prompt prefill" if lane == "prefill" else "decode"
-        lines.append(f"  {what} steps, p50 with the {other} lane " + ", ".join(cells))
-    return lines
+    return "\n".join(lines)
 
 
 def table(summaries: list[dict[str, float]]) -> str:

@@ -28,9 +28,7 @@ def capture_graphs(sizes: Iterable, run: Callable, what: str, stream=None) -> di
     as CUDA graph capture needs. `run` must read and write only static buffers, with no host
     syncs. Raises what compiling or capturing raised.
 
-    `stream`: capture on it, e.g. a green context's (services/llm/sm_partition.py). A graph keeps
-    the SMs of the context it was captured in: replayed on another stream it still runs there,
-    and one captured on the whole device ignores a partition's limit (measured on the H200).
+    `stream`: capture on it (default: a side stream of the current device).
     """
     import torch  # here: services/common is imported by the launcher, which loads no torch
 

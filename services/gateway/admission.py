@@ -12,7 +12,7 @@ Every admitted request counts as in flight until it is answered, whatever the ou
   tokens), each times the class's scale (defaults: realtime 5, standard 10, best-effort 40:
   4 s, 8 s and 32 s). The gateway keeps a moving average of each stage's time from the
   timings of answered requests (decode per output token), and estimates a new request as
-  preprocess + vision + prefill + decode per token x the tokens it will surely generate
+  preprocess + vision + prefill + decode per token x the tokens it will generate at least
   (max_tokens with ignore_eos, else min_tokens; at least 1), times the batches of
   work ahead of it (requests of its class or higher, `parallelism` at a time: lower classes
   do not delay it, since it overtakes them in every queue). A request that would wait behind

@@ -50,9 +50,9 @@ def check_model(model: str, info: pb.ServiceInfo) -> None:
 def check_served(
     request: gateway_pb2.GenerateRequest, metadata: Sequence | None, info: pb.ServiceInfo
 ) -> tuple[Sampling, int]:
-    """Against the served model: (the resolved sampling, the output tokens the request will
-    surely generate), or the MeshError. Surely: admission refuses only work that cannot finish
-    in time, not work that might stop early at EOS."""
+    """Against the served model: (the resolved sampling, the output tokens the request will generate
+    at least), or the MeshError. At least: admission refuses only work that cannot finish in time,
+    not work that might stop early at EOS."""
     check_model(request.model, info)
     pinned = metadata_value(metadata, VARIANT_METADATA_KEY)
     if pinned and pinned != info.variant:
@@ -61,5 +61,5 @@ def check_served(
             "(the mesh's router sends a pinned request to its variant)"
         )
     sampling = check_sampling(request.sampling, info.max_context)
-    surely = (sampling.max_tokens or info.default_max_tokens) if sampling.ignore_eos else sampling.min_tokens
-    return sampling, max(1, surely)
+    at_least = (sampling.max_tokens or info.default_max_tokens) if sampling.ignore_eos else sampling.min_tokens
+    return sampling, max(1, at_least)

@@ -143,22 +143,22 @@ class Degrader:
         self,
         qos: QosLevel,
         remaining_s: float | None,
-        surely: int,  # output tokens the request will surely generate
+        min_output_tokens: int,  # output tokens the request will generate at least
         metadata: Sequence | None,
         cap: int | None,  # the tenant's degrade_max_tokens
         sampling: Sampling,
         default_max_tokens: int,
     ) -> Admitted:
         try:
-            return Admitted(self.admission.admit(qos, remaining_s, surely), sampling)
+            return Admitted(self.admission.admit(qos, remaining_s, min_output_tokens), sampling)
         except ResourceExhausted as refusal:
             if not degradable(qos, refusal, metadata):
                 raise
             if self.cheaper is not None and metadata_value(metadata, VARIANT_METADATA_KEY) is None:
                 return Admitted(None, sampling, refusal)  # (a request pinned to a variant stays on it)
-            if cap is None or surely <= cap:  # a cap that changes nothing admits nothing more
+            if cap is None or min_output_tokens <= cap:  # a cap that changes nothing admits nothing more
                 raise
             smaller = capped(sampling, cap, default_max_tokens)
-            ticket = self.admission.admit(qos, remaining_s, min(surely, cap))  # or its own refusal
+            ticket = self.admission.admit(qos, remaining_s, min(min_output_tokens, cap))  # or its own refusal
             count(qos, "max_tokens")
             return Admitted(ticket, smaller, headers=((DEGRADED_METADATA_KEY, f"max_tokens={smaller.max_tokens}"),))

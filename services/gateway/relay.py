@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.common import metrics, telemetry
 from services.common.qos import QosLevel
 from services.common.timings import Timings
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, llm_pb2
+
+if TYPE_CHECKING:
+    from services.gateway.admission import Ticket
+    from services.gateway.tenants import Tenant
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What the relay's last message settles for a request: its class, its clocks (perf_counter
+    seconds), its admission ticket and the tenant it is charged to."""
+
+    qos: QosLevel
+    received: float
+    admitted: float
+    ticket: Ticket
+    tenant: Tenant | None
 
 
 class NotCached(Exception):

@@ -28,7 +28,7 @@ from services.gateway.checks import MAX_REQUEST_ID_CHARS, check_request, check_s
 from services.gateway.context import CallContext, HeadersWithTheResult
 from services.gateway.degrade import CheaperVariant, Degrader
 from services.gateway.image_keys import ImageKeys
-from services.gateway.relay import NotCached, finish_response
+from services.gateway.relay import Ledger, NotCached, finish_response
 from services.gateway.tenants import Tenant, TenantRegistry
 from services.gateway.workers import Worker, Workers
 from services.handoff.release import release_leases
@@ -106,10 +106,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     charged = tenant  # refunded below if the request is refused after all
                 check_request(request, self.max_images)
                 info = await self.llm_info()
-                sampling, surely = check_served(request, metadata_in, info)
+                sampling, min_output_tokens = check_served(request, metadata_in, info)
                 cap = tenant.limits.get("degrade_max_tokens") if tenant else None
                 admitted = self.degrade.admit(
-                    qos, context.time_remaining(), surely, metadata_in, cap, sampling, info.default_max_tokens
+                    qos,
+                    context.time_remaining(),
+                    min_output_tokens,
+                    metadata_in,
+                    cap,
+                    sampling,
+                    info.default_max_tokens,
                 )
                 ticket, sampling = admitted.ticket, admitted.sampling
             except MeshError as err:
@@ -186,13 +192,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             sampling=sampling.to_pb(),  # checked and normalised here, once
             max_prompt_tokens=tenant.limits.get("max_prompt_tokens", 0) if tenant else 0,
         )
-        stamps = (qos, received, admitted, ticket, tenant)
+        ledger = Ledger(qos, received, admitted, ticket, tenant)
         digests = await self.image_keys.digests(request.images) if info.reads_cached_images else None
         keys = self.image_keys.get(worker.name, digests)
         if keys is not None:
             call.cached_image_keys.extend(keys)
             try:
-                async with contextlib.aclosing(self._relay(worker, call, None, context, metadata, stamps)) as outs:
+                async with contextlib.aclosing(self._relay(worker, call, None, context, metadata, ledger)) as outs:
                     async for out in outs:
                         yield out
                 return
@@ -212,7 +218,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise from_rpc_error(err, "vision") from err
         call.image_features.extend(encoded.features)
         learn = digests is not None
-        async with contextlib.aclosing(self._relay(worker, call, encoded, context, metadata, stamps)) as outs:
+        async with contextlib.aclosing(self._relay(worker, call, encoded, context, metadata, ledger)) as outs:
             async for out in outs:
                 if learn:  # an answer: its prompt pages are registered in the llm's prefix cache by now
                     self.image_keys.learn(worker.name, digests, encoded.features)
@@ -226,11 +232,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         encoded: vision_pb2.EncodeResponse | None,
         context: CallContext,
         metadata: tuple,
-        stamps: tuple,  # qos, received, admitted, ticket, tenant
+        ledger: Ledger,
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """The llm's stream as the gateway's answers. `encoded` None: the call carries content keys
         alone, and a FAILED_PRECONDITION before any answer raises NotCached (nothing was sent)."""
-        qos, received, admitted, ticket, tenant = stamps
         features = encoded.features if encoded is not None else ()
         with telemetry.span("gateway.llm", {"llm.features_cached": encoded is None}):
             stream = worker.llm.Generate(call, metadata=metadata, timeout=context.time_remaining())
@@ -248,9 +253,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     )
                     if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                         vision = encoded.timings if encoded is not None else pb.StageTimings()
-                        timings = finish_response(out, msg, vision, qos, received, admitted, first_token_at)
-                        self.admission.finish(ticket, timings, msg.usage.output_tokens)
+                        timings = finish_response(
+                            out, msg, vision, ledger.qos, ledger.received, ledger.admitted, first_token_at
+                        )
+                        self.admission.finish(ledger.ticket, timings, msg.usage.output_tokens)
                         worker.breaker.record(True)
+                        tenant = ledger.tenant
                         if tenant is not None and tenant.tokens is not None:
                             tenant.tokens.charge(msg.usage.output_tokens)
                     yield out

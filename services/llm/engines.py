@@ -44,26 +44,15 @@ def build_native(
     """The native engine (weights loaded, KV pool sized, decode captured on CUDA), not yet started."""
     from services.llm.engine import NativeEngine
     from services.llm.kv_cache import KvConfig
-    from services.llm.runner import ModelRunner
+    from services.llm.runner import ModelRunner, RunnerConfig
 
     cfg = cfg or NativeEngineConfig()
     kv = KvConfig(cfg.page_size(device.type), cfg.kv_cache_gib, cfg.gpu_memory_utilization)
     packed = None if cfg.prefill == "auto" else cfg.prefill == "packed"
-    runner = ModelRunner(
-        prompts.spec,
-        device,
-        dtype,
-        max_batch,
-        kv,
-        cfg.max_prefill_tokens,
-        cfg.enforce_eager,
-        cfg.quantize,
-        packed,
-        cfg.skinny_gemv,
-        cfg.lanes,
-        cfg.prefill_sms,
-        cfg.decode_priority,
+    runner_cfg = RunnerConfig(
+        max_batch, kv, cfg.max_prefill_tokens, cfg.enforce_eager, cfg.quantize, packed, cfg.skinny_gemv
     )
+    runner = ModelRunner(prompts.spec, device, dtype, runner_cfg)
     return NativeEngine(
         runner, max_batch, prompts, default_max_tokens, cfg.max_prefill_tokens, cfg.prefix_cache, cfg.step_trace
     )

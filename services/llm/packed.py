@@ -46,7 +46,7 @@ from services.llm.kv_cache import PagedKvCache, pool_slot, pool_slots
 from services.llm.packed_mask import Q_BLOCK, block_mask, stage_blocks, stage_pages
 from services.llm.request import Request
 from services.llm.scheduler import Chunk
-from services.llm.staging import Staging
+from services.llm.transfers import Staging
 from services.model.llama import LlamaDecoder
 
 log = logging.getLogger(__name__)

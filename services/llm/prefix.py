@@ -126,7 +126,7 @@ class PrefixCache:
         """Register the prompt pages a step computed, so that later prompts may share them: full
         pages as they complete, and the leading parts of its own pages once the prompt has."""
         keys = req.page_keys
-        if keys is None or not req.running:
+        if keys is None or not req.blocks:  # preempted, or released: no pages to register
             return
         size = self.blocks.page_size
         done = min(req.computed // size, len(keys))

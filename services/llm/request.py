@@ -4,9 +4,10 @@ Imports no torch (tensors appear in type hints only), so the scheduler that orde
 requests stays a pure policy.
 
 Who changes what: the scheduler changes a request's place in line and its KV pages
-(`blocks`, `prefill_target`, `preempted_at`, and where its prefill starts: `computed`, past
-the pages it shares from the prefix cache, or 0); the model runner changes its tensors and
-KV state (`computed`, `image_features`); the engine changes its outputs and stage clocks.
+(`status` WAITING <-> RUNNING, `blocks`, `prefill_target`, `preempted_at`, and where its prefill
+starts: `computed`, past the pages it shares from the prefix cache, or 0); the model runner
+changes its tensors and KV state (`computed`, `image_features`); the engine changes its outputs,
+its stage clocks and `status` FINISHED.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ if TYPE_CHECKING:
 
     from services.llm.detokenizer import Detokenizer
     from services.llm.interface import Leases
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued: new, or preempted and waiting to resume by recomputation
+    RUNNING = "running"  # admitted: it holds a batch place and the KV pages of its whole sequence
+    FINISHED = "finished"  # its last output is out; what it holds goes once no launched step holds it
 
 
 class Finish(enum.Enum):
@@ -58,6 +65,7 @@ class Request:
     detok: Detokenizer
     emit: Callable[[Output], None]  # thread-safe hand-off to the caller's event loop
     arrival: float = field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
     image_keys: list[bytes] = field(default_factory=list)  # per image, b"" unknown (see `images`)
     output_ids: list[int] = field(default_factory=list)
     # KV pages held while running, in position order: page i holds positions
@@ -79,10 +87,8 @@ class Request:
     # runner before the step's forward).
     kv_copy: tuple[int, int] | None = None
     generator: torch.Generator | None = None
-    aborted: bool = False
     # Launched steps that hold it and whose tokens are not back yet (0-2). While it is in one, its
-    # pages and leases are not released (a step may still read or write them); with `--lanes
-    # split` no other step may plan it and preemption may not take its pages (two streams).
+    # pages and leases are not released (a step may still read or write them).
     in_flight: int = 0
     # Sent as content keys alone (cached_image_keys): `image_features` are placeholders of the right
     # length, never read. It runs only if the prefix cache holds every image position, and is never
@@ -120,30 +126,22 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def running(self) -> bool:
-        """Whether it holds KV pages (admitted, not finished or preempted)."""
-        return bool(self.blocks)
-
-    @property
     def prefilling(self) -> bool:
         return self.computed < self.prefill_target
 
     @property
     def unseen(self) -> int:
         """Tokens sampled by launched steps and not back yet: 1 from the launch of the step that
-        samples its next token until that step's tokens are processed (the shared lane plans the
-        next step meanwhile, feeding it this token on the device), else 0."""
-        return 0 if self.prefilling or not self.running else max(0, self.computed + 1 - self.seq_len)
+        samples its next token until that step's tokens are processed (the engine plans the next
+        step meanwhile, feeding it this token on the device), else 0."""
+        if self.prefilling or self.status is not Status.RUNNING:
+            return 0
+        return max(0, self.computed + 1 - self.seq_len)
 
     @property
     def generated(self) -> int:
         """Tokens sampled so far, the unseen one included."""
         return len(self.output_ids) + self.unseen
-
-    @property
-    def ended(self) -> bool:
-        """Its last output was emitted; what it holds goes once no launched step holds it."""
-        return self.finished_at > 0
 
     @property
     def features_end(self) -> int:

@@ -9,19 +9,15 @@ Each step it plans a `Plan`, the contract with the model runner:
   prompt's head fills a step's leftover: its rows would cost the step as much as anywhere, but
   the prompt would pay a chunk of its own later (a weight read for a few rows) and lose the
   fresh-prompt path (services/llm/packed.py), and each running request waits through every
-  step with prompts for its next token: steps of one W1 prompt give them a token every 15 ms on
-  the H200, where a 2,048-row step of three gave one in 40 (docs/PERF.md, sixteenth session);
+  step with prompts for its next token (docs/PERF.md has what a large step costs them);
 - **decodes**: one token for every running request whose prefill is complete. Decodes run
-  every step, beside whatever prefill the step holds. With `--lanes split` the engine asks for
-  the two apart (`schedule(decodes=False)`, `decodable`), and a request in flight in one lane's
-  step is left out of the other's plans and never preempted.
+  every step, beside whatever prefill the step holds.
 
-`follow` (the shared lane): the engine plans and launches the next step while the last one
-runs, so a request in flight is planned as well, as what comes after that step: its next chunk,
-or a decode fed the token that step samples. One whose unseen token is its last (`max_new`)
-is left out. It may be preempted: both steps run in one stream, so the step in flight is done
-with its pages before the step that gives them to another runs; a request preempted by a plan is
-not admitted again by the same plan (that step's tokens, when processed, must find it waiting).
+A request in a launched step whose tokens are not back (the engine's `OneAhead` pacing) is
+planned too, as what comes after that step: its next chunk, or a decode fed the token that step
+samples; one whose unseen token is its last (`max_new`) is left out. It may be preempted: the
+steps run in one stream, so the step in flight is done with its pages before the step that gives
+them to another runs; a request preempted by a plan is not admitted again by the same plan.
 
 A request is admitted when a batch place is free (at most `max_batch` run at once) and the
 pool has pages for its whole sequence (prompt + max_new); it holds them until it finishes.
@@ -43,8 +39,7 @@ A greedy repeat of a whole prompt whose first token the pool keeps (and whose fe
 keeping) is admitted with all of its prompt cached and that token (`Plan.answered`), and planned as
 a decode at once. Otherwise a prefill's last position, when it reads no image and no features need
 keeping (a sampled repeat), is planned as a decode row (`_one_left`): a decode step, or a row
-riding in a prompt step, rather than a prompt step of its own. Both only where the plan has
-decodes (not a `--lanes split` prefill plan).
+riding in a prompt step, rather than a prompt step of its own.
 
 Preemption: when a realtime request heads the queue and there is no place or no room for
 it, the scheduler takes the place and pages of running best-effort requests that still
@@ -65,7 +60,7 @@ from dataclasses import dataclass, field
 from services.common.qos import AGING_S, QosLevel, effective_class
 from services.llm.block_manager import BlockManager
 from services.llm.prefix import PrefixCache
-from services.llm.request import Request
+from services.llm.request import Request, Status
 
 DEFAULT_MAX_PREFILL_TOKENS = 1024
 
@@ -112,7 +107,6 @@ class Scheduler:
         aging_s: float = AGING_S,
         clock: Callable[[], float] = time.perf_counter,
         prefix_cache: bool = True,
-        follow: bool = False,
     ) -> None:
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
@@ -120,7 +114,7 @@ class Scheduler:
         self._waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order
         self.aging_s, self.clock = aging_s, clock
-        self.prefix, self.follow = PrefixCache(blocks, prefix_cache), follow
+        self.prefix = PrefixCache(blocks, prefix_cache)
         # Waiting requests per class, kept as the queue changes (read by the engine's gauges).
         self.waiting_by_qos: Counter[QosLevel] = Counter()
 
@@ -136,16 +130,15 @@ class Scheduler:
     def free_places(self) -> int:
         return self.max_batch - len(self.running)
 
-    def schedule(self, decodes: bool = True) -> Plan:
-        """The next step's plan; `decodes` False: its prefill alone (the prefill lane's, `--lanes
-        split`). Requests in flight in another lane's step are left out of it."""
+    def schedule(self) -> Plan:
+        """The next step's plan."""
         plan = Plan()
         budget = self.max_prefill_tokens
         decoding = []
         for req in self.running:  # prompts already part-way through their prefill go on first
             if not self._plannable(req):
                 continue
-            if not req.prefilling or (decodes and self._one_left(req)):
+            if not req.prefilling or self._one_left(req):
                 decoding.append(req)
             elif budget > 0:
                 end = min(req.prefill_target, req.computed + budget)
@@ -153,50 +146,41 @@ class Scheduler:
                 budget -= end - req.computed
         sources: list[int] = []  # the pages admitted requests copy parts from: held while this plan admits
         if self._waiting and budget > 0:
-            budget = self._admit(plan, budget, decoding if decodes else None, sources)
+            budget = self._admit(plan, budget, decoding, sources)
         self.blocks.release(sources)  # the runner copies from them before the step's forward, ahead of any write
         if plan.preempted:  # a victim's chunk or decode this step is dropped with it
             gone = {id(r) for r in plan.preempted}
             plan.prefill = [c for c in plan.prefill if id(c.req) not in gone]
             plan.admitted = [r for r in plan.admitted if id(r) not in gone]
             decoding = [r for r in decoding if id(r) not in gone]
-        plan.decode = decoding if decodes else []
+        plan.decode = decoding
         return plan
 
-    def decodable(self) -> list[Request]:
-        """The decode lane's next step: every running request past its prefill and not in flight."""
-        return [r for r in self.running if not r.prefilling and self._plannable(r)]
-
-    def _plannable(self, req: Request) -> bool:
-        """Whether a running request may be in the next step (see `follow` in the module docstring)."""
-        if req.ended or req.aborted:  # its answer is out; its pages wait for its step in flight
-            return False
-        if req.in_flight and not self.follow:
+    @staticmethod
+    def _plannable(req: Request) -> bool:
+        """Whether an admitted request may be in the next step."""
+        if req.status is Status.FINISHED:  # its answer is out; its pages wait for its step in flight
             return False
         return req.generated < req.max_new  # else the step in flight samples its last token
 
     @staticmethod
     def _one_left(req: Request) -> bool:
         """A prefill with one position left, not an image's, whose features nobody needs to keep: that
-        position runs as a decode row, not as a prompt step's chunk (on the H200 a prompt step of one
-        row after 613 cached positions took 7.1 ms, a decode step 4.3-4.8: a repeated prompt's hit)."""
+        position runs as a decode row, not as a prompt step's chunk, which costs more (docs/PERF.md)."""
         return req.prefill_target - req.computed == 1 and req.computed >= req.features_end and req.leases is None
 
-    def _admit(self, plan: Plan, budget: int, decoding: list[Request] | None, sources: list[int]) -> int:
-        """Admit waiting requests into the plan, as chunks, or into `decoding` (None: no decodes). A part's
+    def _admit(self, plan: Plan, budget: int, decoding: list[Request], sources: list[int]) -> int:
+        """Admit waiting requests into the plan, as chunks, or into `decoding`. A part's
         source page stays held (`sources`): a later admission must not take it, and copy into it first."""
         now = self.clock()
         # Sorting a short queue costs less than keeping an aged heap.
         self._waiting.sort(key=lambda r: (self._class(r, now), r.arrival))
         while self._waiting and budget > 0:
             req = self._waiting[0]
-            if req.aborted:
-                self._pop()
-                continue
             if any(req is v for v in plan.preempted):  # the rest of the queue was admitted before it
                 return budget
             # Its features are read in place (leases) only while a prefill reads them: it computes.
-            first = None if decoding is None or req.leases is not None else self.prefix.first_token(req)
+            first = None if req.leases is not None else self.prefix.first_token(req)
             shared, part, start = self.prefix.lookup(req, whole=first is not None)
             if start < req.prompt_len:  # a page before the prompt's end was evicted: it computes
                 first = None
@@ -223,6 +207,7 @@ class Scheduler:
             if not req.preempted_at:
                 req.cached_tokens = req.computed
             req.prefill_target = req.seq_len
+            req.status = Status.RUNNING
             self.running.append(req)
             plan.admitted.append(req)
             if first is not None:
@@ -230,7 +215,7 @@ class Scheduler:
                 if req.max_new > 1:  # else the first token ends it
                     decoding.append(req)
                 continue
-            if decoding is not None and self._one_left(req):
+            if self._one_left(req):
                 decoding.append(req)
                 continue
             end = min(req.prefill_target, req.computed + budget)
@@ -264,8 +249,8 @@ class Scheduler:
             for r in self.running
             if r.qos is QosLevel.BEST_EFFORT
             and self._class(r, now) > rank
-            and not (r.aborted or r.ended or r.features_cached)  # a resume would need its features
-            and (self.follow or not r.in_flight)
+            and r.status is Status.RUNNING
+            and not r.features_cached  # a resume would need its features
         ]
         return min(candidates, key=lambda r: (len(r.output_ids), -r.arrival), default=None)
 
@@ -276,6 +261,7 @@ class Scheduler:
         """
         self._release(req)
         req.computed = 0  # its KV state goes with its pages; admission sets where it resumes
+        req.status = Status.WAITING
         req.preempted_at.append(now)
         self.add(req)
 
@@ -286,7 +272,7 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         """Free a request's place and pages (finished, aborted or failed)."""
-        if req.running:
+        if req.blocks:
             self._release(req)
 
     def drop_waiting(self, request_id: str) -> Request | None:

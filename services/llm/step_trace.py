@@ -6,11 +6,11 @@ inbox and scheduling, since the previous step ended or the engine woke); the ste
 (`run_ms`: launch to the host sync that ends it, so the device time plus its launches); the
 postprocess (`post_ms`: EOS, stop strings, detokenizing, handing outputs to the event loop); and
 what the step carried (`prompts`, `prompt_rows`, `decodes`). On CUDA `run_ms` is split further
-(services/llm/fetch.py): `stage_ms`, the host's staging before the step's first device work;
+(services/llm/transfers.py): `stage_ms`, the host's staging before the step's first device work;
 `device_ms`, the device's span from that work to the step's end; and `wake_ms`, the rest: the
 GPU taking the step's first work late (another process's turn on a time-sliced GPU) and the
 engine thread running again after the sync (a wait for the GIL).
-On CUDA the engine launches a step before the one ahead of it is handed out (shared_loop.py), so
+On CUDA the engine launches a step before the one ahead of it is handed out (services/llm/engine.py, `OneAhead`), so
 a step's span starts at its launch or at the end of the last step's handling, whichever is later:
 the spans do not overlap, and a step launched ahead has no gap and no staging of its own.
 `python -m bench.step_trace PATH` sums it up.
@@ -44,12 +44,9 @@ class StepTrace:
         decodes: int,
         marked: float = 0.0,
         device_ms: float | None = None,
-        lane: str = "shared",
     ) -> None:
         """One step's clock readings (time.perf_counter) and what it carried; `marked` (the host
-        clock at its first device work) and `device_ms` where the device timed it; the lane it ran
-        in (services/llm/lane.py: with two, their steps overlap, and `gap_ms` is since the last
-        step of either lane ended)."""
+        clock at its first device work) and `device_ms` where the device timed it."""
         start = max(launched, self._last_end)
         row = {
             "t": round(start, 6),
@@ -59,7 +56,6 @@ class StepTrace:
             "prompts": prompts,
             "prompt_rows": rows,
             "decodes": decodes,
-            "lane": lane,
         }
         if device_ms is not None:
             row["stage_ms"] = round(max(0.0, marked - start) * 1e3, 3)

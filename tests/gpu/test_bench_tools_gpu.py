@@ -38,18 +38,6 @@ def test_decode_step_times_the_engines_graphs_against_the_floor(tmp_path):
     assert all(p["floor_s"] > 0 for p in data["prefill"])
 
 
-@pytest.mark.timeout(900)
-def test_sm_split_replays_both_lanes_alone_and_at_once(tmp_path):
-    pytest.importorskip("cuda.bindings", reason="bench.sm_split's green contexts need cuda-bindings (vlmesh[gpu])")
-    out = tmp_path / "sm_split.json"
-    tool(
-        *("bench.sm_split", "--model", DEMO, "--prefill-sms", "16", "--batches", "2"),
-        *("--context", "64", "--prompt", "32", "--out", str(out)),
-    )
-    rows = json.loads(out.read_text())["rows"]
-    assert rows and all(r["overlap"] > 0 for r in rows)
-
-
 def test_vision_tower_times_the_captured_tower():
     result = tool("bench.vision_tower", "--model", DEMO, "--batches", "1,2", "--steps", "3")
     assert re.search(r"^\| 2 \| \d+\.\d{3} \|", result.stdout, re.M), result.stdout

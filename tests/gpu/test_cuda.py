@@ -110,7 +110,7 @@ def test_token_fetch_times_the_device_span_and_returns_the_tokens():
     """--step-trace's split of a CUDA step: the device span covers the work queued after mark()."""
     import time
 
-    from services.llm.fetch import TokenFetch
+    from services.llm.transfers import TokenFetch
 
     fetch = TokenFetch(4, torch.device("cuda"))
     fetch.timed = True

@@ -1,4 +1,4 @@
-"""The shape of the tree: test modules share code only through tests/helpers.py, and services stay small."""
+"""The shape of the tree: test modules share code only through tests/helpers.py; no module grows several ideas."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from pathlib import Path
 from tests.helpers import ROOT
 
 HELPERS = "tests.helpers"
-MAX_SERVICE_LINES = 300
+# A module holds one idea, named after what it holds (docs/DESIGN.md): that is a review rule, and
+# cohesion, not a line count, decides a split. This loose cap only catches a module that has
+# plainly grown several ideas.
+MAX_SERVICE_LINES = 500
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -83,7 +86,7 @@ def test_test_modules_import_only_the_helpers():
 
 def test_service_modules_stay_small():
     big = oversized(ROOT, MAX_SERVICE_LINES)
-    assert not big, f"services modules over {MAX_SERVICE_LINES} lines; split them:\n" + "\n".join(
+    assert not big, f"services modules over {MAX_SERVICE_LINES} lines: does each still hold one idea?\n" + "\n".join(
         f"  {f}: {n} lines" for f, n in big
     )
 

@@ -197,7 +197,7 @@ def test_mesh_flags_are_checked_as_vlmesh_up_flags_before_anything_starts(capsys
         ("--no-such-flag 1", "are not flags of vlmesh up"),
         ("--kv-page-size 3", "--kv-page-size 3 must be 0 (auto) or a power of two"),
         # The bench sets these itself: its own value would win unseen.
-        ("--lanes split --max-prefill-tokens 1024", "--max-prefill-tokens is set by the bench itself"),
+        ("--kv-cache-gib 2 --max-prefill-tokens 1024", "--max-prefill-tokens is set by the bench itself"),
         ("--kv-page-size 64 --max-vision-batch=2", "--max-vision-batch is set by the bench itself"),
     ):
         with pytest.raises(SystemExit) as exit_:

@@ -10,8 +10,9 @@ import torch
 
 from services.common.errors import FailedPrecondition
 from services.common.qos import QosLevel
+from services.llm.engine import Lockstep, OneAhead
 from services.llm.interface import EngineStats
-from services.llm.request import Finish
+from services.llm.request import Finish, Status
 from tests.helpers import PROMPTS, Parts
 
 
@@ -22,16 +23,13 @@ def assert_idle(engine) -> None:
     assert pages.free == pages.capacity
 
 
-@pytest.fixture(scope="module", params=["shared", "ahead", "split"])
+@pytest.fixture(scope="module", params=["lockstep", "ahead"])
 def parts(tiny_model, request):
-    """Both lane layouts (services/llm/lane.py): split, the two lanes take turns on the CPU, through
-    the same loop as on CUDA (services/llm/split_loop.py); shared also with each step launched
-    before the one ahead is handed out, as on CUDA (services/llm/shared_loop.py)."""
-    from services.llm.config import NativeEngineConfig
-
-    lanes = "split" if request.param == "split" else "shared"
-    p = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(lanes=lanes))
-    p.engine.step_ahead = request.param == "ahead"
+    """Both pacings (services/llm/engine.py): each step handed out once launched (the CPU's), and
+    each step launched before the one ahead is handed out (CUDA's, here on the CPU)."""
+    p = Parts(tiny_model, max_batch=3)
+    if request.param == "ahead":
+        p.engine.pacing = OneAhead()  # the engine thread is idle: no step is pending
     yield p
     p.engine.stop()
 
@@ -93,75 +91,66 @@ def test_abort_frees_the_slot(parts):
     assert ok[1]["finish"] in (Finish.LENGTH, Finish.STOP)
 
 
-def test_split_lanes_hold_a_cancelled_request_until_its_step_ends(tiny_model):
-    """--lanes split: a cancel that arrives while the request's decode step is in flight is
-    answered at once, but its pages go only once that step is back, so they are never handed on
-    while the step may write them; the prefill lane keeps serving meanwhile."""
-    import threading
-
-    from services.llm.config import NativeEngineConfig
-
-    parts = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(lanes="split"))
-    try:
-        engine = parts.engine
-        gate = threading.Event()
-        gate.set()
-        for fetch in engine.runner.decode_lane.fetches:
-            fetch.ready = gate.is_set  # the decode lane's steps end when the test says
-        a, b = (parts.request(i, PROMPTS[i], max_tokens=60, min_tokens=60) for i in range(2))
-        engine.add(a[0])
-        engine.add(b[0])
-        deadline = time.monotonic() + 30
-        while len(a[1]["ids"]) < 3 or len(b[1]["ids"]) < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
-        gate.clear()
-        while not a[0].in_flight:  # a decode step holding both is in flight, and stays so
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
-        pages = engine.scheduler.blocks.free
-        engine.abort(a[0].id)
-        late = parts.request(2, PROMPTS[2], max_tokens=1)  # the prefill lane is not held up
-        parts.run(late)
-        assert late[1]["finish"] is Finish.LENGTH
-        assert a[1]["done"].wait(30) and a[1]["finish"] is Finish.ABORT  # answered...
-        assert a[0].running and a[0].in_flight  # ...but its step is in flight: its pages stay
-        assert engine.scheduler.blocks.free == pages
-        gate.set()
-        while a[0].running:
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
-        assert b[1]["done"].wait(30) and b[1]["finish"] is Finish.LENGTH and len(b[1]["ids"]) == 60
-        assert_idle(engine)
-    finally:
-        parts.engine.stop()
-
-
-def test_the_shared_lane_launches_each_step_before_the_one_ahead_is_handed_out(tiny_model):
-    """services/llm/shared_loop.py: a step is launched while the one ahead of it is in flight, its
-    decodes fed that step's tokens on the device; the tokens are those of the split lanes, which
-    launch no step ahead, and a request a stop string ends in flight gives its pages back after."""
-    from services.llm.config import NativeEngineConfig
-
-    split = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(lanes="split"))
-    try:
-        pairs = [split.request(i, PROMPTS[i], max_tokens=7, min_tokens=7) for i in range(3)]
-        split.run(*pairs)
-        alone = [box for _, box in pairs]
-    finally:
-        split.engine.stop()
+def test_a_request_cancelled_while_a_launched_step_holds_it_keeps_its_pages_until_that_step_ends(tiny_model):
+    """One step ahead: a cancel is answered at once, but the request's pages go only once the step
+    that holds it is back, so they are never handed on while that step may write them."""
     p = Parts(tiny_model, max_batch=3)
     try:
-        p.engine.step_ahead = True  # CUDA's loop, on the CPU (where it is off: a launch computes the step)
+        engine = p.engine
+        engine.pacing = OneAhead()
+        a = p.request(0, PROMPTS[0], max_tokens=200, min_tokens=200)
+        engine.add(a[0])
+        deadline = time.monotonic() + 30
+        while len(a[1]["ids"]) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        seen, finish = {}, engine._finish
+
+        def traced_finish(req, *args, **kw):
+            if req is a[0]:
+                seen["before"] = req.in_flight
+            finish(req, *args, **kw)
+            if req is a[0]:
+                seen["after"] = (req.status, len(req.blocks), engine.scheduler.blocks.free)
+
+        engine._finish = traced_finish
+        engine.abort(a[0].id)
+        assert a[1]["done"].wait(30) and a[1]["finish"] is Finish.ABORT
+        assert seen["before"] >= 1  # a launched step held it when the cancel came...
+        status, held, free = seen["after"]
+        assert status is Status.FINISHED and held > 0  # ...so it was answered, and its pages stayed
+        assert free < engine.scheduler.blocks.capacity
+        while engine.stats().running:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert len(a[1]["ids"]) < 200
+        assert_idle(engine)
+    finally:
+        p.engine.stop()
+
+
+def test_one_ahead_launches_each_step_before_the_one_ahead_is_handed_out(tiny_model):
+    """`OneAhead`: a step is launched while the one ahead of it is in flight, its decodes fed that
+    step's tokens on the device; the tokens are those of `Lockstep`, which launches no step ahead,
+    and a request a stop string ends in flight gives its pages back after."""
+    from services.llm.config import NativeEngineConfig
+
+    p = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(prefix_cache=False))  # each run computes all
+    try:
+        assert isinstance(p.engine.pacing, Lockstep)  # the CPU's
+        pairs = [p.request(i, PROMPTS[i], max_tokens=7, min_tokens=7) for i in range(3)]
+        p.run(*pairs)
+        alone = [box for _, box in pairs]
+        p.engine.pacing = OneAhead()  # CUDA's, on the CPU (where a launch computes the step)
         events, launch, complete = [], p.engine.runner.launch, p.engine._complete
 
-        def traced_launch(chunks, decodes, lane):
+        def traced_launch(chunks, decodes):
             events.append(("launch", sum(1 for r in decodes if r.unseen)))
-            return launch(chunks, decodes, lane)
+            return launch(chunks, decodes)
 
-        def traced_complete(step, lane="shared"):
+        def traced_complete(step):
             events.append(("complete", 0))
-            complete(step, lane)
+            complete(step)
 
         p.engine.runner.launch, p.engine._complete = traced_launch, traced_complete
         stop = alone[1]["text"][1:3]  # ends request 1 mid-stream, while its next step is in flight
@@ -260,15 +249,15 @@ def test_leases_of_features_a_launched_chunk_reads_go_only_after_its_step(tiny_m
 
     p = Parts(tiny_model, max_batch=3, native=NativeEngineConfig(max_prefill_tokens=8))
     try:
-        p.engine.step_ahead = True  # CUDA's loop, on the CPU
+        p.engine.pacing = OneAhead()  # CUDA's, on the CPU
         handed_out: list[int] = []  # the ends of the request's chunks whose step is being handed out
         pair = p.request(70, PROMPTS[1], max_tokens=3)
         req = pair[0]
         complete = p.engine._complete
 
-        def traced_complete(step, lane="shared"):
+        def traced_complete(step):
             handed_out.extend(c.end for c in step.chunks if c.req is req)
-            complete(step, lane)
+            complete(step)
 
         class Watched(Leases):
             def release(self) -> None:
@@ -343,21 +332,20 @@ def test_realtime_overtakes_a_full_batch_of_best_effort_and_the_preempted_finish
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(parts, monkeypatch):
-    from services.llm import runner as runner_module
-
-    real = runner_module.stage_chunks
+    runner = parts.engine.runner
+    real = runner._stage_chunks
 
     def broken(*args):
         real(*args)  # staged half a step's inputs, then failed
         raise RuntimeError("device lost its mind")
 
-    monkeypatch.setattr(runner_module, "stage_chunks", broken)
+    monkeypatch.setattr(runner, "_stage_chunks", broken)
     failed = [
         parts.request(808, PROMPTS[0], max_tokens=4) for _ in range(150)
     ]  # more than staging holds; a new picture
     parts.run(*failed)
     assert all(box["finish"] is Finish.ERROR for _, box in failed)
-    monkeypatch.setattr(runner_module, "stage_chunks", real)
+    monkeypatch.undo()
     for _ in range(3):  # staging starts afresh each step: no leftovers from the failed ones
         ok = parts.request(8, PROMPTS[0], max_tokens=4)
         parts.run(ok)

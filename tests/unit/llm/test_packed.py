@@ -21,7 +21,7 @@ from services.llm.kv_cache import KvConfig
 from services.llm.packed import row_buckets
 from services.llm.packed_mask import Q_BLOCK
 from services.llm.request import Request
-from services.llm.runner import ModelRunner
+from services.llm.runner import ModelRunner, RunnerConfig
 from services.llm.scheduler import Chunk
 from services.model.spec import load_spec
 
@@ -57,7 +57,9 @@ class Seq:
 
 
 def runner(spec, packed: bool, budget: int = 400) -> ModelRunner:
-    return ModelRunner(spec, torch.device("cpu"), torch.float32, 6, KvConfig(PAGE, 0.0, 0.6), budget, packed=packed)
+    return ModelRunner(
+        spec, torch.device("cpu"), torch.float32, RunnerConfig(6, KvConfig(PAGE, 0.0, 0.6), budget, packed=packed)
+    )
 
 
 def test_row_buckets():

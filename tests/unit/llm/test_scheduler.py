@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from services.common.qos import QosLevel, effective_class
 from services.common.sampling import Sampling
 from services.llm.block_manager import BlockManager
-from services.llm.request import Request
+from services.llm.request import Request, Status
 from services.llm.scheduler import Scheduler
 
 GREEDY = Sampling(max_tokens=None, temperature=0.0, top_p=1.0, seed=None, stop=(), min_tokens=0, ignore_eos=False)
@@ -20,8 +20,8 @@ GREEDY = Sampling(max_tokens=None, temperature=0.0, top_p=1.0, seed=None, stop=(
 class FakeRequest:
     """What the scheduler reads of a request, with Request's own derived properties."""
 
-    seq_len, running, prefilling = Request.seq_len, Request.running, Request.prefilling
-    unseen, generated, ended = Request.unseen, Request.generated, Request.ended
+    seq_len, prefilling = Request.seq_len, Request.prefilling
+    unseen, generated = Request.unseen, Request.generated
 
     def __init__(
         self,
@@ -43,8 +43,8 @@ class FakeRequest:
         self.registered = self.cached_tokens = 0
         self.parts_registered, self.kv_copy, self.features_cached = False, None, False
         self.features_end, self.leases = 0, None  # no image; no features to keep
-        self.aborted, self.computed, self.prefill_target = False, 0, 0
-        self.in_flight, self.finished_at = 0, 0.0
+        self.status, self.computed, self.prefill_target = Status.WAITING, 0, 0
+        self.in_flight = 0
         self.blocks: list[int] = []
         self.output_ids: list[int] = []
         self.preempted_at: list[float] = []
@@ -53,6 +53,14 @@ class FakeRequest:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def running(self) -> bool:
+        return self.status is Status.RUNNING
+
+    @property
+    def ended(self) -> bool:
+        return self.status is Status.FINISHED
 
 
 def scheduler(max_batch: int, pages: int = 64, page_size: int = 4, budget: int = 10_000, **kw) -> Scheduler:
@@ -157,47 +165,14 @@ def test_realtime_preempts_the_best_effort_request_with_least_work():
     assert resumed.prefill[0].req.prefill_target == 10 + 5  # prompt and the tokens it had: recomputed
 
 
-def test_split_lanes_plan_apart_and_leave_out_what_is_in_flight():
-    """--lanes split: the prefill lane's plan carries no decodes; the decode lane's is every request
-    past its prefill; a request in another lane's launched step is in neither, nor preempted."""
-    clock = [0.0]
-    sched = scheduler(max_batch=3, budget=30, clock=lambda: clock[0])
-    reqs = {rid: FakeRequest(rid, QosLevel.BEST_EFFORT, clock[0]) for rid in ("be-a", "be-b")}
-    for r in reqs.values():
-        sched.add(r)
-    run_plan(sched.schedule())  # both prefilled: one place left
-    long = FakeRequest("long", QosLevel.STANDARD, clock[0], prompt=70)
-    sched.add(long)
-    first = sched.schedule(decodes=False)
-    assert [(c.req.id, c.start, c.end) for c in first.prefill] == [("long", 0, 30)] and first.decode == []
-    assert sorted(r.id for r in sched.decodable()) == ["be-a", "be-b"]  # not "long": still prefilling
-    long.in_flight = True  # its first chunk launched: its next one waits for it
-    run_plan(first)
-    assert sched.schedule(decodes=False).empty
-    long.in_flight = False
-    assert [(c.start, c.end) for c in sched.schedule(decodes=False).prefill] == [(30, 60)]
-    long.in_flight = True  # that chunk is in flight in the prefill lane...
-    for r in reqs.values():  # ...and both best-effort requests in the decode lane's step
-        r.in_flight = True
-    assert sched.decodable() == []
-    clock[0] += 0.5
-    sched.add(FakeRequest("rt", QosLevel.REALTIME, clock[0]))
-    waits = sched.schedule(decodes=False)
-    assert waits.preempted == [] and [c.req.id for c in waits.prefill] == []  # no victim that is not in flight
-    reqs["be-b"].in_flight = False
-    taken = sched.schedule(decodes=False)
-    assert [r.id for r in taken.preempted] == ["be-b"]
-    assert [c.req.id for c in taken.prefill] == ["rt"] and taken.decode == []
-
-
 def test_whole_prompts_start_no_prompt_in_the_leftover_of_a_step():
     sched = scheduler(max_batch=4, budget=30)
     for rid in ("a", "b", "c"):
         sched.add(FakeRequest(rid, QosLevel.STANDARD, 0.0, prompt=12))
-    whole = sched.schedule(decodes=False)
+    whole = sched.schedule()
     assert [(c.req.id, c.start, c.end) for c in whole.prefill] == [("a", 0, 12), ("b", 0, 12)]  # c: 12 > 6 left
     run_plan(whole)
-    alone = sched.schedule(decodes=False)
+    alone = sched.schedule()
     assert [(c.req.id, c.start, c.end) for c in alone.prefill] == [("c", 0, 12)]
     big = scheduler(max_batch=4, budget=30)
     big.add(FakeRequest("long", QosLevel.STANDARD, 0.0, prompt=50))
@@ -360,8 +335,8 @@ def test_a_greedy_repeat_whose_first_token_the_pool_keeps_computes_nothing_and_d
     plan = sched.schedule()
     assert plan.answered == [(again, 42)] and plan.decode == [first, again] and not plan.prefill
     assert again.computed == again.cached_tokens == 12 and again.blocks[:3] == first.blocks[:3]
-    # Not: with features read in place (leases), sampled, with EOS banned, or in a plan without decodes.
-    leased, drawn, banned, split = (keyed(r, [b"0", b"1", b"2"]) for r in "cdef")
+    # Not: with features read in place (leases), sampled, or with EOS banned.
+    leased, drawn, banned = (keyed(r, [b"0", b"1", b"2"]) for r in "cde")
     leased.leases = object()
     drawn.sampling = Sampling(None, 0.7, 1.0, 3, (), 0, False)
     banned.sampling = Sampling(None, 0.0, 1.0, None, (), 2, False)
@@ -369,9 +344,6 @@ def test_a_greedy_repeat_whose_first_token_the_pool_keeps_computes_nothing_and_d
         sched.add(req)
         plan = sched.schedule()
         assert not plan.answered and plan.admitted == [req] and req.computed == 8
-    sched.add(split)
-    plan = sched.schedule(decodes=False)
-    assert not plan.answered and plan.admitted == [split] and split.computed == 8
 
 
 def test_no_later_admission_of_a_plan_takes_a_page_that_an_earlier_one_copies_a_part_from():
@@ -512,13 +484,13 @@ def test_pages_are_never_shared_while_written_and_all_come_back(ops):
     )
 )
 def test_a_step_ahead_plans_each_token_once_and_gives_every_page_back(ops):
-    """`follow` (the shared lane on CUDA): each step is planned and launched while the one before it
+    """One step ahead (the engine's `OneAhead`, on CUDA): each step is planned and launched while the one before it
     is in flight. A planned decode feeds a token that is back or the one the step in flight
     samples, at the position after the last; nothing is planned past its last token or once it
     ended; a request preempted by a plan is not in it; an ended request keeps its pages until no
     launched step holds it; and every page comes back."""
     clock = [0.0]
-    sched = scheduler(max_batch=3, pages=14, page_size=4, budget=6, clock=lambda: clock[0], follow=True)
+    sched = scheduler(max_batch=3, pages=14, page_size=4, budget=6, clock=lambda: clock[0])
     flying: tuple[list, list] | None = None  # the step in flight: the requests it samples, and all it holds
 
     def land(step) -> None:  # the engine's _complete: tokens out, then what ended goes
@@ -530,7 +502,7 @@ def test_a_step_ahead_plans_each_token_once_and_gives_every_page_back(ops):
                 assert len(r.output_ids) < r.max_new
                 r.output_ids.append(1)
                 if len(r.output_ids) == r.max_new:
-                    r.finished_at = clock[0]
+                    r.status = Status.FINISHED
         for r in held:
             if r.ended and not r.in_flight:
                 sched.finish(r)
@@ -542,7 +514,7 @@ def test_a_step_ahead_plans_each_token_once_and_gives_every_page_back(ops):
         elif op == "end" and sched.running:  # a stop string, or a cancel: answered now
             r = sched.running[x % len(sched.running)]
             if not r.ended:
-                r.finished_at = clock[0]
+                r.status = Status.FINISHED
                 if not r.in_flight:
                     sched.finish(r)
         else:

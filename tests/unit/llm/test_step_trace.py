@@ -57,22 +57,3 @@ def summed_up(trace: Path) -> str:
     done = subprocess.run(args, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return done.stdout
-
-
-def test_step_trace_summary_splits_each_lane_by_what_the_other_lane_was_doing(tmp_path):
-    """A --lanes split trace: each lane's steps with the other lane idle and busy."""
-    lanes = tmp_path / "lanes.jsonl"
-    steps = [("prefill", 0.0, 20.0, 1), ("prefill", 0.11, 28.0, 1)]  # (lane, start s, device ms, prompts)
-    steps += [("decode", 0.11 + 0.007 * i, 7.0, 0) for i in range(4)]  # inside the second prefill
-    steps += [("decode", 0.30 + 0.005 * i, 5.0, 0) for i in range(5)]  # no prefill running
-    lines = []
-    for lane, t, ms, prompts in sorted(steps, key=lambda x: x[1]):
-        row = {"t": t, "gap_ms": 0.0, "run_ms": ms, "post_ms": 0.0, "decodes": 2, "prompts": prompts}
-        timed = {"stage_ms": 0.0, "device_ms": ms, "wake_ms": 0.0}
-        lines.append(json.dumps(row | {"prompt_rows": 600 * prompts, "lane": lane} | timed))
-    lanes.write_text("\n".join(lines) + "\n")
-    out = summed_up(lanes)
-    assert (
-        "one-prompt prefill steps, p50 with the decode lane decode idle: 20.00 (n 1), decode busy: 28.00 (n 1)" in out
-    )
-    assert "decode steps, p50 with the prefill lane prefill idle: 5.00 (n 5), prefill busy: 7.00 (n 4)" in out
