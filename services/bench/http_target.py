@@ -17,8 +17,7 @@ class OpenAiTarget:
     length through vLLM's min_tokens and ignore_eos, which the mesh's HTTP door takes too).
 
     Sent with aiohttp and read as raw server-sent events, as vLLM's own serving benchmark does:
-    the official client's per-chunk parsing costs milliseconds per request (about 5 ms against
-    0.6 ms, 16 tokens, on the 2-core CPU host), which would be charged to the server measured.
+    the official client's per-chunk parsing would be charged to the server (docs/PERF.md).
     """
 
     def __init__(self, base_url: str, name: str, model: str, api_key: str | None = None) -> None:

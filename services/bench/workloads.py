@@ -75,10 +75,8 @@ class RequestFactory:
     """Request i of a run is fixed by (seed, run, i): picture, QoS class, pool draw.
 
     `run` numbers the runs of one bench invocation. A workload of distinct images gives each run
-    images of its own: with one sequence for every run, the second rate of a sweep re-sent the
-    first's images, and a mesh whose KV pool still held their pages served those W1 prompts from
-    its prefix cache (on the H200, 46-76% of an int8 sweep's later requests). A pool (W3) is one
-    set of images for every run, as its users send them.
+    images of its own, so a later rate of a sweep is not served from the prefix cache the earlier
+    runs filled (docs/PERF.md). A pool (W3) is one set of images for every run, as its users send them.
     """
 
     def __init__(

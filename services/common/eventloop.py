@@ -1,9 +1,7 @@
 """The asyncio event loop every server and the benchmark client run on.
 
 uvloop (libuv) when it is installed, asyncio's own loop otherwise. grpc.aio runs on
-either. On the 2-core CPU host uvloop made a bare grpc.aio chain of the mesh's shape
-(`python -m bench.grpc_chain`) 10-25% faster at p50, and lowered the p90 of the mesh's
-own time outside its stages by about 1 ms (docs/PERF.md).
+either; uvloop cuts the mesh's own time outside its stages (docs/PERF.md).
 """
 
 from __future__ import annotations

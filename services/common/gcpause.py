@@ -1,11 +1,8 @@
 """The garbage collector in a serving process: its start-up heap frozen, its pauses measured.
 
-A process that has loaded torch, transformers and a model holds some 290,000 objects the
-collector tracks. A full collection (generation 2) walks them all: 169 ms on the 2-core CPU host,
-and every thread of the process waits meanwhile (the collector holds the GIL): the event loop's
-streams and the engine's steps alike. Python runs one whenever the objects that survived into
-the oldest generation grew by a quarter since the last, so under load it comes now and then, and
-lands in some request's tail latency. `freeze_startup_heap` moves everything alive once the
+A process that has loaded torch, transformers and a model holds a large heap of tracked objects,
+and a full collection walks them all while every thread waits on the GIL, landing in some
+request's tail latency (docs/PERF.md). `freeze_startup_heap` moves everything alive once the
 service is built into the permanent generation (`gc.freeze()`, as vLLM's engine and Instagram's
 servers do), so later collections walk only what serving allocated. `watch_pauses` observes each
 collection's pause in `vlmesh_gc_pause_seconds{service, generation}`.

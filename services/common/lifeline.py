@@ -9,8 +9,8 @@ place (same pid). If the launcher is already gone, it stops instead of starting 
 Why a separate step and not `Popen(preexec_fn=...)`: a preexec_fn makes Python fork() instead
 of vfork(), and fork() runs gRPC's fork handlers inside a launcher whose gRPC threads are busy
 (health checks, warm-up); they log "skipping fork() handlers" and can leave the child in a
-broken state. CI saw children die of SIGABRT at start-up about once in a hundred starts while
-that was so. Python's documentation calls preexec_fn unsafe with threads for this reason.
+broken state (it may die of SIGABRT at start-up). Python's documentation calls preexec_fn unsafe
+with threads for this reason.
 
 Only the standard library, and run by path with -I: it works with any environment, Envoy's
 empty one included.

@@ -1,15 +1,11 @@
 """glibc's malloc arenas, capped when a service starts.
 
-glibc gives each thread that allocates an arena of its own, up to 8 per core (16 on a 2-core host,
-128 on the H200 machine's 16 cores); past that, threads share them. Each arena keeps the chunks its
-threads freed for their next allocations. A serving process allocates and frees a step's tensors
-and its gRPC messages from some 15 threads, so its resident memory drifts with the free space its
-arenas happen to hold. On the 2-core host the llm's private memory rose by up to 1.5% in two
-minutes of a soak (a mean of +0.60% over 8 runs) while its bytes in use (mallinfo2's `uordblks`)
-and Python's (tracemalloc) stayed flat. With 4 arenas the mean was +0.02% over 16 runs and W1 was
-no slower; with 2, W1 at 16 req/s was some 6% slower (docs/PERF.md, "CPU: the llm's memory drift
-in the 2-minute soak was glibc's arenas"). `mallopt(M_ARENA_MAX)` caps the arenas made from then
-on, so it runs before the servers start their threads.
+glibc gives each thread that allocates an arena of its own, up to 8 per core, and each arena keeps
+the chunks its threads freed. A serving process allocates from many threads, so its resident
+memory drifts with the free space its arenas happen to hold while its bytes in use stay flat; a
+few arenas stop the drift without slowing serving, too few do slow it (docs/PERF.md).
+`mallopt(M_ARENA_MAX)` caps the arenas made from then on, so it runs before the servers start
+their threads.
 
 MALLOC_ARENA_MAX in the environment wins: glibc has read it, and this leaves it alone.
 """

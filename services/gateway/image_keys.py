@@ -2,10 +2,9 @@
 
 When the llm's prefix cache holds every image position of a prompt, it needs no features. The
 gateway then sends it the images' content keys alone (LlmGenerateRequest.cached_image_keys) and
-saves the vision call: a gRPC round trip, the feature cache's lookup, the hand-off's import (on the
-H200 a cache hit's TTFT was some 14 ms, of which 7 were its prompt step and most of the rest
-these hops, docs/PERF.md). vLLM's scheduler likewise skips the encoder for an image whose
-positions its prefix cache already covers.
+saves the vision call: a gRPC round trip, the feature cache's lookup, the hand-off's import,
+which are most of a cache hit's TTFT besides its prompt step (docs/PERF.md). vLLM's scheduler
+likewise skips the encoder for an image whose positions its prefix cache already covers.
 
 The gateway learns each key from the vision's answer (TensorRef.content_key, a hash of the bytes
 with the vision's model and preprocessing, so the gateway need not know them), per worker. The
@@ -25,7 +24,7 @@ from services.gateway.config import IMAGE_KEY_CACHE
 from vlmesh.v1 import common_pb2 as pb
 
 DIGEST_BYTES = 16
-INLINE_HASH_BYTES = 1 << 20  # larger images are hashed off the event loop (blake2b: about 1 GB/s)
+INLINE_HASH_BYTES = 1 << 20  # larger images are hashed off the event loop: hashing them would stall it
 
 
 class ImageKeys:

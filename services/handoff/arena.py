@@ -16,8 +16,7 @@ a seqlock) with time left before its expiry, and the heartbeat must be fresh, wh
 a live producer from one that died (its memory may be gone). Those 8-byte fields are read and
 written as whole words (`Words`), never with struct: `struct.pack_into` zero-fills a field
 before it writes it, and a reader could see a lease id or an expiry of 0 while a share rewrites
-the same values (a spurious "stale" or "about to expire", about once in a thousand reads of a
-busy cached slot).
+the same values (a spurious "stale" or "about to expire" on a busy cached slot).
 
 The heartbeat and the expiries are the producer's CLOCK_MONOTONIC readings. A consumer
 compares them with its own clock only as a fast path: when a beat looks stale it watches for

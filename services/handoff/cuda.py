@@ -11,15 +11,15 @@ Readiness, chosen by the producer (`--ready-signal`):
 - `event`: the producer records the slot's interprocess CUDA event after writing and the
   consumer's stream waits on it (events are exported once per slot and opened once).
 
-The consumer opens each arena's allocation once per process (the first open costs about
-0.5 ms, PyTorch's first rebuild far more) and reads slots in place: `open` returns a view
+The consumer opens each arena's allocation once per process (opening, and PyTorch's first
+rebuild above all, is costly) and reads slots in place: `open` returns a view
 of the producer's memory, ordered after the producer's write on the consumer's stream, with
 no copy and no host synchronisation. The consumer must hold the lease until its kernels
 have read the view (the llm engine: until the prefill that copies the features into the
 prompt's embeddings has run, then it re-checks the lease and releases it).
 
 Both sides work on the device's current stream, cached once: a hand-off is a handful of
-Python calls, and `torch.cuda.current_stream(device)` alone costs about 25 us.
+Python calls, and `torch.cuda.current_stream(device)` alone is a sizeable share of that.
 
 Importing this module touches no CUDA API: a CPU host imports it, and a CPU consumer's
 transport refuses CUDA_IPC references (no GPU). CUDA is initialised only when an arena or

@@ -2,8 +2,7 @@
 
 Without MPS, the vision and llm processes on one GPU time-slice it: the llm's steps wait while
 the ViT holds the GPU, and the other way round. Under an MPS server their kernels run side by
-side. On the H200, W1 at 35-40 req/s: P99 end to end 569-580 ms against 716-718 without it,
-the vision stage p50 7.7 against 12.9 ms (docs/PERF.md).
+side, which lowers both the vision stage and the end-to-end tail under load (docs/PERF.md).
 
 The launcher starts a control daemon of its own, with its pipe and log directories in the run
 directory, so it neither needs nor touches a system-wide one; the children find it through

@@ -8,8 +8,7 @@ Decode has two implementations of one interface, `DecodeAttention`:
   replays it with new block tables. Each layer runs as one `torch.compile`d function around it.
   No page is marked a full block, though most are: flex's decode kernel splits a sequence's
   keys across CTAs by the count of its partial blocks, but its full blocks by the whole pool's
-  length, so full blocks put a sequence's pages all on one CTA (one sequence of 5 pages then
-  ran on 32 of the H200's 132 SMs).
+  length, so full blocks put a sequence's pages all on one CTA and leave most SMs idle.
 - `GatherDecode` (the reference, and the CPU's): gathers each sequence's pages into a
   contiguous [b, g, L, d] and runs SDPA with a length mask. Same function, simpler.
 

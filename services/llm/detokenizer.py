@@ -5,8 +5,8 @@ character waits for the rest, and the last `len(longest stop) - 1` characters ar
 back until it is clear they do not start a stop string.
 
 A fast tokenizer decodes through its Rust tokenizer directly (what transformers' `decode`
-calls, with no clean-up of spaces): the wrapper around it cost some 10 us a call, and the
-engine thread decodes twice per token of every running sequence, between two steps.
+calls, with no clean-up of spaces): the engine thread decodes twice per token of every running
+sequence, between two steps, so the wrapper's overhead adds up (docs/PERF.md).
 """
 
 from __future__ import annotations

@@ -6,26 +6,25 @@ through `flex_attention` to the pool itself, with a block mask made on the host
 (services/llm/packed_mask.py). A step whose one chunk starts its sequence (a fresh prompt, the
 common step under W1 load) attends instead with SDPA, causal over the step's own keys: its rows
 see nothing in the pool, and row i sees rows 0..i of the bucket, which are its positions 0..i
-(the padding and decode rows after the prompt see garbage that nothing reads). On the H200
-flex took 48 us a layer for one 608-position prompt, cuDNN's SDPA 19 on the same keys
-(docs/PERF.md); that step also stages no block mask. Each row bucket has a graph of each kind.
+(the padding and decode rows after the prompt see garbage that nothing reads). SDPA is faster
+than flex there, and the step stages no block mask (docs/PERF.md). Each row bucket has a
+graph of each kind.
 
 The step's decodes ride in the last rows of the bucket (`decode_rows` of them, padding
 included): their tokens go through every matmul with the prompts' rows, so the weights are read
-once a step, not once for the prefill and again for a decode step after it (some 5 ms of the
-7B-shaped preset's 20 ms mixed step on the H200). Their attention is not the prefill's: a
-decode's query block would list all of its pages, and one block holding the last rows of a
-prompt and 16 decodes walked some 85 key blocks in one thread block (74.7 ms a step). They
-attend through the decode step's own attention (services/llm/attention.py, `DecodeAttention`:
-flex's paged decode kernel on CUDA) over the decode step's static inputs, and their rows of
-the prefill attention (rank -1: no pages) are overwritten with it. A step whose decodes do
-not fit (more than the largest `decode_rows`, or past the top row bucket; the runner sizes the
-top bucket for a full prefill budget and a full batch) runs them in the decode step's graph
-after this one (services/llm/decode.py).
+once a step, not once for the prefill and again for a decode step after it (docs/PERF.md).
+Their attention is not the prefill's: a decode's query block would list all of its pages, so a
+block holding a prompt's last rows and the decodes would walk all their key blocks in one
+thread block. They attend through the decode step's own attention (services/llm/attention.py,
+`DecodeAttention`: flex's paged decode kernel on CUDA) over the decode step's static inputs,
+and their rows of the prefill attention (rank -1: no pages) are overwritten with it. A step
+whose decodes do not fit (more than the largest `decode_rows`, or past the top row bucket; the
+runner sizes the top bucket for a full prefill budget and a full batch) runs them in the decode
+step's graph after this one (services/llm/decode.py).
 
 Every input lives at a fixed address (the runner's staging buffer, one upload per step), so
-on CUDA each bucket's layers and head are captured in one CUDA graph: one replay where the
-eager prefill launched some ten kernels per layer from Python and was bound by the host. The
+on CUDA each bucket's layers and head are captured in one CUDA graph: one replay where an
+eager prefill launches many kernels per layer from Python and is bound by the host. The
 embedding and the image features are written into the static input rows before the replay.
 On the CPU the same forward runs eagerly (flex compiled alone), which is how the tests check
 it against the per-chunk reference (services/llm/attention.py).
@@ -66,9 +65,8 @@ def decode_row_sizes(max_seqs: int) -> list[int]:
     """Decode rows a step carries (padding included), each a captured variant of every row bucket.
 
     Few sizes, as each compiles the decode attention for its shape. 16 as well as 8 and 32: the
-    riding decodes' attention runs over every padding row too, and at W1's 35 req/s on the H200 a
-    one-prompt step with 9-12 riding decodes, padded to 32, took 21 ms against 18 with 5-8
-    (docs/PERF.md, the step traces).
+    riding decodes' attention runs over every padding row too, so a dozen decodes padded to 32
+    make a slower step than padded to 16 (docs/PERF.md).
     """
     return sorted({min(s, max_seqs) for s in (8, 16, max_seqs)})
 

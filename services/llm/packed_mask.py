@@ -11,9 +11,9 @@ Made on the host, per step, into the packed step's staged inputs (services/llm/p
 The step's sequences are ranked by their block tables, in lexicographic order. Pages are
 shared only as leading runs (the prefix cache matches a prompt's first pages), so the
 sequences that hold a page are ranks lo[p]..hi[p] with no gap, and a shared page sits at the
-same logical index in each. Three loads per key column: an earlier mask that looked up
-`tables[seq[r], logical[p]]` per score made each key block cost some 25 us on the H200,
-eight times the block's arithmetic. Pages that every row of a one-sequence block sees whole
+same logical index in each. Three loads per key column, not a lookup of
+`tables[seq[r], logical[p]]` per score, which costs a key block several times its arithmetic
+(docs/PERF.md). Pages that every row of a one-sequence block sees whole
 are full blocks: flex skips their mask. A row of rank -1 (padding, a decode) is in no page's
 range and attends to nothing.
 """

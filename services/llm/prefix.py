@@ -21,11 +21,10 @@ chain: what follows cannot be told apart from another image's.
 
 The key of a whole prompt also keeps the prompt's greedy first token (`answered`), as long as
 the pool keeps the key. A greedy repeat of the whole prompt then computes nothing before its
-first decode: its first token comes at admission, without a forward (`first_token`). On the
-H200 a W3 repeat's first token came in 5.0 ms where that forward (a decode row) left it at 11.5
-(docs/PERF.md). The token
-is a function of the prompt (what the key names) and of whether min_tokens bans EOS, not of the
-page. A sampled request computes its last position, and samples it with its own generator.
+first decode: its first token comes at admission, without a forward (`first_token`), which
+cuts a repeat's time to first token (docs/PERF.md). The token is a function of the
+prompt (what the key names) and of whether min_tokens bans EOS, not of the page. A sampled
+request computes its last position, and samples it with its own generator.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ are the same whichever engine serves.
 
 Outputs cross from the engine thread to the servicer's event loop through one `Mailbox` per
 loop: the first output of a burst wakes the loop, the rest of the step's outputs join it. A
-wake-up per output (`call_soon_threadsafe`, a write to the loop's self-pipe) cost some 15 us
-on the engine thread, per sequence per step: half a millisecond a step at batch 32, on the
-thread whose every microsecond between two steps leaves the GPU idle.
+wake-up per output (`call_soon_threadsafe`, a write to the loop's self-pipe) would cost the
+engine thread per sequence per step, and its time between two steps leaves the GPU idle
+(docs/PERF.md).
 """
 
 from __future__ import annotations

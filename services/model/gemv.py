@@ -2,22 +2,19 @@
 once, front to back, with no split over K.
 
 A decode step reads every weight once, so its linears are bound by memory bandwidth. At one row
-cuBLAS picks split-K kernels for the narrow projections of the 7B-shaped preset (o and down:
-3.1 and 3.7 TB/s on the H200, each followed by a reduce kernel) and reaches 3.9-4.0 TB/s on
-the wide ones. Here each program owns `block_n` rows of W and streams them whole, keeping
-partial products per column and summing them once at the end: one pass, nothing to reduce
-after it. In the step that is 105 us a layer for the four projections against cuBLAS's 110
-(docs/PERF.md).
+cuBLAS picks split-K kernels for the narrow projections (o and down), each followed by a reduce
+kernel, and reads them below the bandwidth it reaches on the wide ones. Here each program owns
+`block_n` rows of W and streams them whole, keeping partial products per column and summing
+them once at the end: one pass, nothing to reduce after it (docs/PERF.md).
 
-Only one row: from 2 rows up cuBLAS's tensor-core kernels stay. A 16-row-tile variant of this
-kernel was 4-16% faster than cuBLAS timed alone, but slower inside the decode step (119 us a
-layer against about 114 at batch 8, not explained yet; docs/PERF.md), so it was dropped.
+Only one row: from 2 rows up cuBLAS's tensor-core kernels stay, since a multi-row tile of this
+kernel is slower than them inside the decode step (docs/PERF.md).
 
 `linear` is F.linear's drop-in: the kernel where it applies (CUDA, one row, a plain 2-D weight
 of the input's dtype, bf16, fp16 or fp32, no bias), F.linear otherwise (the CPU, a batch, a
 prefill). Quantized projections never come here: they run their own kernels
 (services/model/qlinear.py). The decode step passes it to the model's layers
-(services/llm/attention.py). Configs per shape: `python -m bench.gemv` on an H200.
+(services/llm/attention.py). Configs per shape: `python -m bench.gemv`.
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ class Config(NamedTuple):
 def pick(n: int, k: int, element_size: int = 2) -> Config:
     """The kernel config for W [n, k].
 
-    From `python -m bench.gemv` on an H200 (docs/PERF.md), 16-bit weights: outputs up to 8192
+    From `python -m bench.gemv` (docs/PERF.md), 16-bit weights: outputs up to 8192
     wide (o, down) want few rows of W per program and long loads, so that 4096 outputs still make
     256 programs; wide outputs (q/k/v, gate/up) twice the rows and shorter loads. 32-bit weights
     load half as many columns (the same bytes a stage: shared memory would not hold more).

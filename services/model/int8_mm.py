@@ -10,7 +10,7 @@ unwraps them), so the numbers are its scheme's: symmetric, per output channel.
 
 The kernel is a torch custom op, opaque to torch.compile: it picks its tile sizes from the row
 count at run time, so a prefill compiled for any token count does not guard on it, and CUDA
-graphs capture it like any kernel. Configs: `python -m bench.int8_mm` on an H200 (docs/PERF.md).
+graphs capture it like any kernel. Configs: `python -m bench.int8_mm` (docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ class Config(NamedTuple):
 
 
 # One row and at most 8192 output channels (o, down): gemv's streaming kernel, scaled, with
-# 8 channels a program (512 programs for 4096) beats any tensor-core tile (8.8-9.1 against 9.7 us
-# for o, 19.4 against 20.1 for down). Wider ones keep the 16-row tile (q/k/v 17.6 against 19.1).
+# 8 channels a program (512 programs for 4096) beats any tensor-core tile; wider ones keep the
+# 16-row tile, which beats it there (docs/PERF.md).
 ONE_ROW = gemv.Config(8, 1024, 4, 4)
 
 
 def pick(m: int, n: int) -> Config:
     """The tile for x [m, K] times Q [n, K]^T (m > 1: one row goes to gemv's kernel).
 
-    From `python -m bench.int8_mm` on an H200 (docs/PERF.md), the 7B shapes. Decode-sized rows
+    From `python -m bench.int8_mm` (docs/PERF.md), the 7B shapes. Decode-sized rows
     are bound by reading Q: narrow tiles of output channels, so that even 4096 channels make
     128 programs, and long loads along K; the widest (gate/up) twice the channels. Prefill-sized
     rows are bound by compute: square tiles that reuse each loaded tile of Q across 128 rows.

@@ -2,9 +2,9 @@
 
 torchao quantizes the weights (services/model/quantize.py); these modules then hold its data
 as ordinary parameters and call the matmul its tensor subclass would dispatch to. Why not keep
-the subclass: torch.compile traces through a tensor subclass's dispatch on every compile, about
-30 s per CUDA-graph bucket on the H200 (docs/PERF.md), so an engine of some 50 captured graphs
-took 25 minutes to warm up. Plain tensors compile as fast as bf16.
+the subclass: torch.compile traces through a tensor subclass's dispatch on every compile, which
+makes an engine of many captured graphs slow to warm up; plain tensors compile as fast as bf16
+(docs/PERF.md).
 
 `project(x, layer, linear)` is how the model calls any projection: a plain nn.Linear through
 `linear` (F.linear's signature: the decode step passes services/model/gemv.py's), a quantized
@@ -34,15 +34,12 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
 
 
 # Rows up to which an int8 projection on CUDA runs services/model/int8_mm.py's kernel. Decode-sized
-# rows are bound by reading the weight, where the kernel's 1 byte a weight wins (H200, a 7B layer's
-# four projections: 77 us at 8 rows, 109 at 32, bf16 cuBLAS 115-118); prompt-sized rows are bound
-# by compute, where the kernel feeds the tensor cores at half of cuBLAS's rate (662 against 341 us
-# at 640 rows). More rows convert the weight to bf16 (exact: |q| <= 127) and run cuBLAS, the
-# per-channel scale applied to the product; inductor fuses the conversion where the layer is
-# compiled. On the H200 a W1 prompt (608 positions) then took 17.85 ms against the kernel's 23.65
-# and bf16's 13.16 (docs/PERF.md): the conversion, read 1 byte a weight and write 2, is the rest.
-# The packed prefill's smallest row bucket is 128, a decode batch at most 32: rows between are
-# rare, and either side serves them.
+# rows are bound by reading the weight, where the kernel's 1 byte a weight wins; prompt-sized rows
+# are bound by compute, where cuBLAS feeds the tensor cores faster (docs/PERF.md). More rows
+# convert the weight to bf16 (exact: |q| <= 127) and run cuBLAS, the per-channel scale applied to
+# the product; inductor fuses the conversion where the layer is compiled. The packed prefill's
+# smallest row bucket is 128, a decode batch at most 32: rows between are rare, and either side
+# serves them.
 INT8_KERNEL_ROWS = 64
 
 
@@ -68,12 +65,9 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-# Rows up to which an int4 projection runs tinygemm, a small-batch kernel: a 7B layer's four
-# projections took 65 us at 1 row, 141 at 8 and 461 at 32 (bf16 cuBLAS 107-128; BENCHMARKS.md).
-# More rows dequantize the weight to bf16 from its unpacked codes (read 0.5 bytes a weight, write 2)
-# and run cuBLAS. On the H200 (docs/PERF.md) a 7B decode step took 2.91 ms at batch 1 and 6.13 at 8
-# through tinygemm (bf16 4.18 and 5.42), 16.45 at 32 through the conversion (bf16 7.13), and a W1
-# prompt 21.89 ms (bf16 13.16).
+# Rows up to which an int4 projection runs tinygemm, a small-batch kernel that beats bf16 at a few
+# rows and falls far behind it as rows grow. More rows dequantize the weight to bf16 from its
+# unpacked codes (read 0.5 bytes a weight, write 2) and run cuBLAS (docs/PERF.md).
 INT4_TINYGEMM_ROWS = 16
 
 
@@ -99,7 +93,7 @@ class Int4Linear(nn.Module):
         self.scale_and_zero = _frozen(scale_and_zero.contiguous())
         self.bias = None if bias is None else _frozen(bias)
         # tinygemm's own dequantization: the identity through its matmul gives W^T [in_padded,
-        # out_padded] as the kernel sees it (a few ms a layer, once, at load).
+        # out_padded] as the kernel sees it (once, at load).
         eye = torch.eye(self.in_padded, device=qdata.device, dtype=torch.bfloat16)
         dense = torch.ops.aten._weight_int4pack_mm(eye, self.qdata, group, self.scale_and_zero)
         sz = self.scale_and_zero[:, : self.out_features]

@@ -13,8 +13,8 @@ model's dtype: the embedding is a gather, not a matmul, and the head decides eve
 
 torchao quantizes; the layers then hold its data as plain tensors (services/model/qlinear.py),
 so that torch.compile does not trace its tensor subclasses. torchao is imported only when a
-quantization is asked for: it is several hundred milliseconds to import and logs a warning per
-optional extension it cannot load.
+quantization is asked for: it is slow to import and logs a warning per optional extension it
+cannot load.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: t
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
     # set_inductor_config=False: by default torchao turns on inductor's coordinate-descent tuning
-    # (all directions) for the whole process, which spent 264 s of an int8 engine's warm-up on the
-    # H200 tuning the decode buckets' pointwise kernels (docs/PERF.md); bf16 compiles without it.
+    # (all directions) for the whole process, which spends much of a warm-up tuning the decode
+    # buckets' pointwise kernels (docs/PERF.md); bf16 compiles without it.
     if how == "int8":
         config = Int8WeightOnlyConfig(set_inductor_config=False)
     else:

@@ -49,7 +49,7 @@ class FeatureCache:
         self._encoding: dict[bytes, asyncio.Future] = {}  # keys being encoded now: followers wait
 
     def key(self, data: bytes) -> bytes:
-        """The content key of one image's bytes (blake2b, 16 bytes: about 1 GB/s)."""
+        """The content key of one image's bytes (blake2b, 16 bytes)."""
         h = hashlib.blake2b(self._salt, digest_size=KEY_BYTES)
         h.update(data)
         return h.digest()

@@ -1,14 +1,12 @@
 """The vision tower (ViT + projector) in CUDA graphs, one per batch bucket.
 
-Eager, the tower launches some fifteen kernels per ViT layer from Python. For one 336-pixel
-image the H200's vision stage was about 12 ms p50 (docs/PERF.md), where the matmuls' compute
-floor is about half a millisecond (0.35 TFLOP at the bf16 rate): the launching, not the GPU,
-set it. Captured, a batch is one replay.
+Eager, the tower launches some fifteen kernels per ViT layer from Python, and for one image
+the launching, not the GPU's arithmetic, sets the vision stage's time (docs/PERF.md). Captured,
+a batch is one replay.
 
 Before capturing, one ViT layer is compiled (torch.compile, reused by every layer and batch
-bucket, as the llm's prefill layer halves are): eager, a layer ran its layer norms, residual
-adds and quick-GELU as some eight kernels over [B, 577, 1024], 0.49 ms of the captured
-tower's 2.1 ms for one image on the H200; compiled, four fused ones take 0.22 (docs/PERF.md).
+bucket, as the llm's prefill layer halves are): it fuses the layer norms, residual adds and
+quick-GELU, which eager runs as separate kernels over [B, 577, 1024] (docs/PERF.md).
 
 A batch of n images is copied into the first n rows of a static input, the smallest captured
 bucket b >= n replays (rows n..b hold whatever they held: an image's features depend on its
