@@ -1,15 +1,15 @@
-"""The README's configuration table, generated from the configs that declare each flag.
+"""The flag table of docs/CONFIGURATION.md, generated from the configs that declare each flag.
 
 Each service's config (services/{gateway,vision,llm}/config.py) declares its flags once, with
 their defaults and help (services/common/flags.py); `vlmesh up` takes some of them
 (services/launcher/cli.py PASSED_ON) and adds its own. This prints the table those declarations
 make, one row per flag (a flag whose meaning differs between services gets a row for each), so
-that the README says what `vlmesh up --help` and `vlmesh serve NAME --help` say.
-tests/unit/test_readme_flags.py fails when the README's table differs.
+that docs/CONFIGURATION.md says what `vlmesh up --help` and `vlmesh serve NAME --help` say.
+tests/unit/test_config_flags.py fails when the table there differs.
 
     python scripts/flag_table.py            # print the table
-    python scripts/flag_table.py --write    # replace it in README.md, between the markers
-    python scripts/flag_table.py --check    # exit 1 if README.md's table differs
+    python scripts/flag_table.py --write    # replace it in docs/CONFIGURATION.md, between the markers
+    python scripts/flag_table.py --check    # exit 1 if docs/CONFIGURATION.md's table differs
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+DOC = ROOT / "docs" / "CONFIGURATION.md"
 BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
+STALE = "docs/CONFIGURATION.md's flag table is stale: run python scripts/flag_table.py --write"
 SERVICES = ("gateway", "vision", "llm")
 # The note on the default that ends a help text: "(default %(default)s)", "(default: the write-ups',
 # %(default)s)", "(default: 8, 6 and 3 times the llm's batch)"; _VALUE stands in for %(default)s.
@@ -151,8 +152,8 @@ def table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def readme_table(text: str) -> str:
-    """The README's table: what lies between the markers."""
+def doc_table(text: str) -> str:
+    """The document's table: what lies between the markers."""
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
     return text[start:end].strip("\n") + "\n"
 
@@ -163,17 +164,17 @@ def with_table(text: str, new: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="The README's flag table, from the configs.")
+    p = argparse.ArgumentParser(description="The flag table of docs/CONFIGURATION.md, from the configs.")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="replace the table in README.md")
-    mode.add_argument("--check", action="store_true", help="exit 1 if README.md's table differs")
+    mode.add_argument("--write", action="store_true", help="replace the table in docs/CONFIGURATION.md")
+    mode.add_argument("--check", action="store_true", help="exit 1 if docs/CONFIGURATION.md's table differs")
     args = p.parse_args(argv)
     new = table()
     if args.write:
-        README.write_text(with_table(README.read_text(), new))
+        DOC.write_text(with_table(DOC.read_text(), new))
     elif args.check:
-        if readme_table(README.read_text()) != new:
-            print("README.md's flag table is stale: run python scripts/flag_table.py --write", file=sys.stderr)
+        if doc_table(DOC.read_text()) != new:
+            print(STALE, file=sys.stderr)
             return 1
     else:
         print(new, end="")

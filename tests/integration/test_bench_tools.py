@@ -85,7 +85,7 @@ def test_tracing_overhead_measures_a_mesh_with_tracing_off_and_on():
 
 
 def test_vlmesh_bench_starts_its_mesh_and_runs_the_baselines_and_its_traces_make_a_timeline(tmp_path):
-    """The README's sequence: bench.otlp_sink keeps the spans of a `vlmesh bench` run (the mesh it
+    """docs/BENCH.md's sequence: bench.otlp_sink keeps the spans of a `vlmesh bench` run (the mesh it
     starts, then the in-process engine and transformers), and bench.span_timeline sums them up."""
     port, spans, out = free_port("127.0.0.1"), tmp_path / "spans.jsonl", tmp_path / "bench"
     sink = subprocess.Popen(

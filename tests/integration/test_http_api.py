@@ -354,23 +354,24 @@ def test_fifty_pictures_get_the_same_answers_through_both_doors(mesh):
             assert by_http.usage.prompt_tokens == by_grpc.usage.prompt_tokens + by_grpc.usage.image_tokens, i
 
 
-def readme_block(marker: str) -> str:
-    text = (ROOT / "README.md").read_text()
+def doc_block(path: str, marker: str) -> str:
+    """The code block that opens with `marker` in the file at `path` (from the repository's root)."""
+    text = (ROOT / path).read_text()
     start = text.index(marker)
     body = text[text.index("\n", start) + 1 :]
     return body[: body.index("```")]
 
 
-def test_the_readme_examples_run_as_written(mesh, tmp_path):
+def test_the_readme_and_api_examples_run_as_written(mesh, tmp_path):
     port = mesh.http_url().split(":")[2].split("/")[0]
     pic, _ = picture(19)
     (tmp_path / "cat.png").write_bytes(shapes.encode(pic.image, "PNG"))
     env = {"PATH": "/usr/bin:/bin", "OPENAI_API_KEY": KEY, "HOME": str(tmp_path)}
-    curl = readme_block("```bash openai-curl").replace("localhost:8000", f"127.0.0.1:{port}")
+    curl = doc_block("README.md", "```bash openai-curl").replace("localhost:8000", f"127.0.0.1:{port}")
     out = subprocess.run(["bash", "-c", curl], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["choices"][0]["message"]["content"] == pic.answer("What is in the image?")
-    code = readme_block("```python openai-client").replace("localhost:8000", f"127.0.0.1:{port}")
+    code = doc_block("docs/API.md", "```python openai-client").replace("localhost:8000", f"127.0.0.1:{port}")
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env
     )

@@ -1,12 +1,12 @@
-"""The README's tenants example, run as a new user runs it: the JSON file and the commands of its
-code blocks, as written.
+"""The tenants example of docs/CONFIGURATION.md, run as a new user runs it: the JSON file and the
+commands of its code blocks, as written.
 
-The test writes the README's JSON to the file its `vlmesh up` line names, in a fresh directory
+The test writes the example's JSON to the file its `vlmesh up` line names, in a fresh directory
 where `models/` is the repository's and `.cache/demo-sample-7.png` is the picture `make demo`
 renders; starts `vlmesh up` as written; then runs each `vlmesh generate` line: the one with
 `--api-key` must be answered, the one without must fail with UNAUTHENTICATED.
 
-Ports: the README's commands use the default ports (gateway 50051, vision 50052, llm 50053,
+Ports: the example's commands use the default ports (gateway 50051, vision 50052, llm 50053,
 metrics 9464-9466). When one of them is taken on this machine (a CI runner, another mesh), the
 test adds port flags to `vlmesh up` (`--gateway-port 0 --vision-port 0 --llm-port 0
 --metrics-ports 0,0,0`) and `--target` with the gateway's address to `vlmesh generate`, and
@@ -43,13 +43,14 @@ ENV = {
     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
 }
-ENV.pop("VLMESH_API_KEY", None)  # the README's keyless call must be keyless
+ENV.pop("VLMESH_API_KEY", None)  # the example's keyless call must be keyless
 START_TIMEOUT_S = 240
 
 
 def tenants_section() -> tuple[str, list[list[str]]]:
-    """(the JSON file's text, the commands) of the README's **Tenants.** paragraph and its code blocks."""
-    text = (ROOT / "README.md").read_text()
+    """(the JSON file's text, the commands) of the **Tenants.** paragraph of docs/CONFIGURATION.md and its
+    code blocks, up to the next heading."""
+    text = (ROOT / "docs" / "CONFIGURATION.md").read_text()
     start = text.index("**Tenants.**")
     end = text.find("\n#", start)
     blocks = re.findall(r"```(\w*)\n(.*?)```", text[start : end if end >= 0 else None], re.DOTALL)
@@ -97,7 +98,7 @@ def test_the_readme_tenants_example_runs_as_written(tmp_path):
         pytest.skip("vlmesh generate has no --api-key yet")
 
     # The files the commands name, where they name them.
-    json.loads(config)  # the README's JSON is JSON
+    json.loads(config)  # the example's JSON is JSON
     (tmp_path / option(up, "--tenants")).write_text(config)
     (tmp_path / "models").symlink_to(ROOT / "models")
     image = Path(option(with_key[0], "--image"))
@@ -149,7 +150,7 @@ def test_the_readme_tenants_example_runs_as_written(tmp_path):
 
 
 def start(up: list[str], cwd: Path) -> tuple[subprocess.Popen, queue.Queue, object]:
-    """`vlmesh up` as the README writes it (plus ports); (it, its stdout lines, its log file). Returns
+    """`vlmesh up` as the example writes it (plus ports); (it, its stdout lines, its log file). Returns
     once it has said something on stdout or exited: a taken port ends it at once, with exit 2."""
     log = (cwd / "up.log").open("w")
     proc = subprocess.Popen(
