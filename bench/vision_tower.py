@@ -22,9 +22,9 @@ from services.vision.encoder import VisionEncoder
 
 def time_batch(enc: VisionEncoder, b: int, steps: int) -> tuple[float, float]:
     """(replay ms on the device, encode() ms wall), p50 over `steps`."""
-    size = enc.spec.vision.image_size
-    pixels = torch.randint(0, 255, (b, size, size, 3), dtype=torch.uint8).pin_memory()
-    x = torch.zeros(b, 3, size, size, device="cuda", dtype=enc.dtype)
+    shapes = enc.tower.input_shapes()
+    pixels = [tuple(torch.randint(0, 255, (s[1], s[2], 3), dtype=torch.uint8).pin_memory() for s in shapes)] * b
+    x = [torch.zeros(b, *s, device="cuda", dtype=enc.dtype) for s in shapes]
     for _ in range(5):
         enc.encode(pixels)
     torch.cuda.synchronize()
@@ -32,7 +32,7 @@ def time_batch(enc: VisionEncoder, b: int, steps: int) -> tuple[float, float]:
     replay, wall = [], []
     for _ in range(steps):
         start.record()
-        enc.graphed(x)
+        enc.graphed(*x)
         end.record()
         end.synchronize()
         replay.append(start.elapsed_time(end))
@@ -66,10 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        x = torch.zeros(1, 3, spec.vision.image_size, spec.vision.image_size, device="cuda", dtype=enc.dtype)
+        x = [torch.zeros(1, *s, device="cuda", dtype=enc.dtype) for s in enc.tower.input_shapes()]
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
-                enc.graphed(x)
+                enc.graphed(*x)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
     print("| images | replay ms (device) | ms per image | encode() ms (wall) |")

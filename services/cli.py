@@ -26,8 +26,8 @@ commands:
   generate    send one image and prompt to a gateway and stream the answer
   bench       open-loop load with the write-ups' workloads, against the mesh and baselines
   serve NAME  run one service: gateway, vision or llm
-  make-tiny-model DIR
-              write a tiny random-weight LLaVA checkpoint (for tests and trials)
+  make-tiny-model [--family F] DIR
+              write a tiny random-weight checkpoint of a model family (for tests and trials)
 
 `vlmesh COMMAND --help` explains each command's options; `vlmesh --version` prints the version.
 """
@@ -67,13 +67,13 @@ def _flag_value(argv: list[str], name: str) -> str | None:
 
 
 def _check_model(argv: list[str], service: str) -> None:
-    """Before a service loads anything: a local --model's files (config, tokenizer, whole weights)."""
+    """Before a service loads anything: a local --model's files, config and weights' shapes."""
     model = _flag_value(argv, "--model")
     if model is None or model.startswith("preset:") or not Path(model).is_dir():
         return  # the service's own parser or loader reports what is wrong
-    from services.model.files import check_checkpoint
+    from services.model.checkpoint import preflight
 
-    check_checkpoint(model, weights=True, tokenizer=service == "llm")
+    preflight(model, ("vision",) if service == "vision" else ("text",), tokenizer=service == "llm")
 
 
 def serve(rest: list[str]) -> int:
@@ -122,15 +122,32 @@ def dispatch(cmd: str, rest: list[str]) -> int:
         return bench(rest)
     if cmd == "serve":
         return serve(rest)
-    if rest in (["-h"], ["--help"]):
-        print("usage: vlmesh make-tiny-model DIR\n\nWrite a tiny random-weight LLaVA checkpoint to DIR.")
-        return 0
-    if len(rest) != 1 or rest[0].startswith("-"):
-        print("vlmesh make-tiny-model: error: give one directory: vlmesh make-tiny-model DIR", file=sys.stderr)
-        return 2
-    from services.model.tiny import build_tiny_llava
+    return make_tiny_model(rest)
 
-    print(build_tiny_llava(rest[0]))
+
+def make_tiny_model(argv: list[str]) -> int:
+    """`vlmesh make-tiny-model [--family F] [--seed N] DIR`: a tiny random checkpoint of a family."""
+    from services.common.validation import CliParser
+    from services.model.family import FAMILY_NAMES
+
+    p = CliParser(
+        prog="vlmesh make-tiny-model",
+        description="Write a tiny random-weight checkpoint (config, safetensors, tokenizer with the family's chat "
+        "template, image processor) that transformers itself loads: for tests and trials, not for answers.",
+    )
+    p.add_argument("dir", metavar="DIR", help="the directory to write (created if missing)")
+    p.add_argument(
+        "--family",
+        default="llava",
+        choices=FAMILY_NAMES,
+        help="the checkpoint layout (config.json model_type; '-' and '_' are alike): %(choices)s (default %(default)s)",
+        type=lambda v: v.replace("-", "_"),
+    )
+    p.add_argument("--seed", type=int, default=0, help="the random weights' seed (default %(default)s)")
+    args = p.parse_args(argv)
+    from services.model.family import family_named
+
+    print(family_named(args.family).write_tiny(Path(args.dir), args.seed))
     return 0
 
 

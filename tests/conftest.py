@@ -35,6 +35,22 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_deepseek_hybrid(tmp_path_factory):
+    """A random DeepSeek-VL hybrid (SigLIP 32 px and SAM 64 px, 16 image tokens), saved by transformers."""
+    from services.model.tiny import build_tiny_deepseek
+
+    return build_tiny_deepseek(tmp_path_factory.mktemp("tiny-deepseek-hybrid"), hybrid=True, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek(tmp_path_factory):
+    """A random DeepSeek-VL of the SigLIP-only kind (`deepseek_vl`, 16 image tokens)."""
+    from services.model.tiny import build_tiny_deepseek
+
+    return build_tiny_deepseek(tmp_path_factory.mktemp("tiny-deepseek"), hybrid=False, seed=1)
+
+
+@pytest.fixture(scope="session")
 def mesh(tiny_model):
     """gateway, vision and llm as three real processes on ephemeral ports."""
     with Mesh(mesh_options(tiny_model)) as running:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import os
 import threading
 import time
@@ -210,30 +211,69 @@ CASES = [
 """(encoded picture, prompt) pairs the mesh is checked against transformers on."""
 
 
-def hf_inputs(model_dir, data: bytes, prompt: str):
-    """transformers' own processor on the same bytes: input_ids and pixel_values."""
+def _model_type(model_dir) -> str:
+    return json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+
+
+def hf_processor(model_dir):
+    """transformers' own processor of the checkpoint's family, with the PIL image processor
+    (the GPU machine's torchvision one resizes differently)."""
     from transformers import AutoConfig, AutoTokenizer, LlavaProcessor
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    proc = LlavaProcessor(
-        image_processor=pil_clip_processor_class().from_pretrained(model_dir),
-        tokenizer=tok,
-        patch_size=AutoConfig.from_pretrained(model_dir).vision_config.patch_size,
-        vision_feature_select_strategy="default",
-        chat_template=tok.chat_template,
-        num_additional_image_tokens=1,
+    cfg = AutoConfig.from_pretrained(model_dir)
+    if cfg.model_type == "llava":
+        return LlavaProcessor(
+            image_processor=pil_clip_processor_class().from_pretrained(model_dir),
+            tokenizer=tok,
+            patch_size=cfg.vision_config.patch_size,
+            vision_feature_select_strategy="default",
+            chat_template=tok.chat_template,
+            num_additional_image_tokens=1,
+        )
+    from transformers import DeepseekVLHybridProcessor, DeepseekVLProcessor
+    from transformers.models.deepseek_vl.image_processing_pil_deepseek_vl import DeepseekVLImageProcessorPil
+    from transformers.models.deepseek_vl_hybrid.image_processing_pil_deepseek_vl_hybrid import (
+        DeepseekVLHybridImageProcessorPil,
     )
+
+    hybrid = cfg.model_type == "deepseek_vl_hybrid"
+    images = (DeepseekVLHybridImageProcessorPil if hybrid else DeepseekVLImageProcessorPil).from_pretrained(model_dir)
+    tokens = (cfg.vision_config.image_size // cfg.vision_config.patch_size) ** 2
+    cls = DeepseekVLHybridProcessor if hybrid else DeepseekVLProcessor
+    return cls(images, tok, chat_template=tok.chat_template, num_image_tokens=tokens)
+
+
+def hf_inputs(model_dir, data: bytes, prompt: str):
+    """transformers' own processor on the same bytes: input_ids and pixel values."""
+    proc = hf_processor(model_dir)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return proc(images=Image.open(io.BytesIO(data)), text=text, return_tensors="pt")
+    kwargs = {"add_special_tokens": not text.startswith(proc.tokenizer.bos_token)}  # as apply_chat_template does
+    return proc(images=Image.open(io.BytesIO(data)).convert("RGB"), text=text, return_tensors="pt", **kwargs)
+
+
+def hf_model(model_dir, **kwargs):
+    """transformers' model class of the checkpoint's family, loaded from it."""
+    from transformers import (
+        DeepseekVLForConditionalGeneration,
+        DeepseekVLHybridForConditionalGeneration,
+        LlavaForConditionalGeneration,
+    )
+
+    classes = {
+        "llava": LlavaForConditionalGeneration,
+        "deepseek_vl": DeepseekVLForConditionalGeneration,
+        "deepseek_vl_hybrid": DeepseekVLHybridForConditionalGeneration,
+    }
+    return classes[_model_type(model_dir)].from_pretrained(model_dir, **kwargs).eval()
 
 
 def hf_greedy(model_dir, data: bytes, prompt: str, n: int) -> list[int]:
-    """transformers' LlavaForConditionalGeneration.generate: n greedy tokens after the prompt."""
+    """transformers' own generate for the checkpoint's family: n greedy tokens after the prompt."""
     import torch
-    from transformers import LlavaForConditionalGeneration
 
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    model = hf_model(model_dir)
     inputs = hf_inputs(model_dir, data, prompt)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
@@ -301,7 +341,7 @@ class Parts:
         from services.llm.request import Request
 
         data = image_bytes(image) if isinstance(image, int) else image
-        feats = self.vision.encode(self.vision.pixels(data)[None])[0]
+        feats = self.vision.encode([self.vision.pixels(data)])[0]
         built = self.prompts.build(prompt, 1)
         s = check_sampling(pb.SamplingParams(**sampling), 512)
         done = threading.Event()
@@ -373,7 +413,7 @@ def demo_answers(seed: int, n: int, max_tokens: int = 8) -> tuple[list, list[tup
 
 def vision_reference(encoder: VisionEncoder, data: bytes) -> torch.Tensor:
     """The features of one picture encoded alone, without the service: [image_tokens, H]."""
-    return encoder.encode(encoder.pixels(data)[None])[0]
+    return encoder.encode([encoder.pixels(data)])[0]
 
 
 def consumer_info(consumer: Consumer, accept=None) -> pb.ConsumerInfo:
@@ -413,3 +453,73 @@ def record_decode_rows(runner, fresh: list[bool] | None = None) -> list[int]:
         seen = fresh if fresh is not None else []
         runner.packed.run = lambda: (rows.append(runner.packed.decode_rows), seen.append(runner.packed.fresh), run())
     return rows
+
+
+# --- on the GPU: our tokens against transformers' -----------------------------------------
+
+
+def assert_greedy_under_transformers(model_dir, data: bytes, prompt: str, ids: list[int], device: str) -> None:
+    """Teacher-force our tokens through transformers on `device`: each must be its argmax, or
+    within float noise of it. Exact equality across devices is not a fair demand: a random
+    model has near-ties that last-bit differences between CPU and GPU kernels flip."""
+    import torch
+
+    model = hf_model(model_dir).to(device)
+    inputs = {k: v.to(device) for k, v in hf_inputs(model_dir, data, prompt).items()}
+    with torch.no_grad():
+        # The prompt with its picture, then our tokens on its KV cache: a random model may well
+        # generate the <image> token id, which transformers refuses to see beside pixel_values.
+        prompt_out = model(**inputs, use_cache=True)
+        rest = model(
+            input_ids=torch.tensor([ids[:-1]], device=device), past_key_values=prompt_out.past_key_values
+        ).logits[0]
+        logits = torch.cat([prompt_out.logits[0, -1:], rest]).float()
+    logits[:, model.generation_config.eos_token_id] = float("-inf")  # the request set min_tokens = 16
+    chosen = logits.gather(1, torch.tensor(ids, device=device)[:, None])[:, 0]
+    best = logits.max(-1).values
+    gap = (best - chosen).max().item()
+    assert gap <= 1e-3 * max(1.0, best.abs().max().item()), f"a token was not greedy: logit gap {gap}"
+    exact = logits.argmax(-1).tolist() == ids
+    print(f"{prompt!r}: exact argmax match={exact}, worst gap {gap:.2e}")
+
+
+def assert_idle(parts) -> None:
+    engine = parts.engine
+    assert engine.stats().running == engine.stats().waiting == 0
+    pages = engine.scheduler.blocks
+    assert pages.free == pages.capacity, f"{pages.capacity - pages.free} KV pages still held"
+
+
+def ours(parts, cases, tokens: int = 32, **sampling) -> list[list[int]]:
+    pairs = [parts.request(data, prompt, max_tokens=tokens, min_tokens=tokens, **sampling) for data, prompt in cases]
+    parts.run(*pairs)
+    return [box["ids"] for _, box in pairs]
+
+
+def hf_model_on_gpu(model_dir, dtype):
+    """transformers' own model of the checkpoint's family, on the GPU."""
+    return hf_model(model_dir, dtype=dtype).to("cuda")
+
+
+def teacher_forced_argmax(model, model_dir, data: bytes, prompt: str, ids: list[int], ban_eos: bool = False):
+    """transformers' argmax at each of our tokens' positions, given our tokens before it (EOS
+    masked with `ban_eos`, as min_tokens masks it in the engine)."""
+    inputs = {k: v.to("cuda") for k, v in hf_inputs(model_dir, data, prompt).items()}
+    inputs = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in inputs.items()}  # pixels
+    import torch
+
+    with torch.no_grad():
+        first = model(**inputs, use_cache=True)
+        logits = first.logits[0, -1:]
+        if len(ids) > 1:
+            rest = model(input_ids=torch.tensor([ids[:-1]], device="cuda"), past_key_values=first.past_key_values)
+            logits = torch.cat([logits, rest.logits[0]])
+    logits = logits.float()
+    if ban_eos:
+        logits[:, model.generation_config.eos_token_id] = float("-inf")
+    return logits.argmax(-1).tolist()
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True)]
+    return sum(x == y for x, y in pairs) / len(pairs)

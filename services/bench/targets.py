@@ -149,8 +149,8 @@ class InprocessTarget:
 
 
 class HfTarget:
-    """transformers' LlavaForConditionalGeneration.generate, one request at a time: what a
-    user gets without a serving system.
+    """transformers' own model of the checkpoint's family (AutoModelForImageTextToText: LLaVA's,
+    DeepSeek-VL's) and its generate, one request at a time: what a user gets without a serving system.
 
     `static`: with `cache_implementation="static"`, for which transformers compiles the
     decode step itself (`--target hf-static`, the careful user's baseline). The compile takes
@@ -159,9 +159,9 @@ class HfTarget:
 
     def __init__(self, model_dir: str, device: str, static: bool = False) -> None:
         import torch
-        from transformers import AutoTokenizer, LlavaForConditionalGeneration
+        from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-        from services.model.preprocess import ImageProcessorConfig
+        from services.model.family import family_of
         from services.model.presets import is_random
         from services.model.prompt import PromptBuilder
         from services.model.spec import load_spec
@@ -174,13 +174,13 @@ class HfTarget:
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         if is_random(spec.model_dir):  # a preset: transformers' own random init, on the device
             with self.device:
-                self.model = LlavaForConditionalGeneration(spec.hf_config).to(dtype).eval()
+                self.model = AutoModelForImageTextToText.from_config(spec.hf_config).to(dtype).eval()
         else:
-            self.model = LlavaForConditionalGeneration.from_pretrained(spec.model_dir, dtype=dtype)
+            self.model = AutoModelForImageTextToText.from_pretrained(spec.model_dir, dtype=dtype)
             self.model = self.model.to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
         self.prompts = PromptBuilder(spec)
-        self.processor = ImageProcessorConfig.load(spec.model_dir, spec.vision.image_size)
+        self.processor = family_of(spec).image_processor(spec)
         self.dtype = dtype
         self.static = static
         self.name = "hf-static" if static else "hf"
@@ -190,7 +190,7 @@ class HfTarget:
         """Return (perf_counter at the first new token, tokens generated)."""
         from transformers.generation.streamers import BaseStreamer
 
-        from services.model.preprocess import decode_image, preprocess
+        from services.model.preprocess import decode_image
 
         torch = self.torch
         first: dict[str, float] = {}
@@ -206,12 +206,15 @@ class HfTarget:
             def end(self):
                 pass
 
-        pixels = preprocess(decode_image(req.image), self.processor)[None].to(self.device, self.dtype)
+        # The family's inputs, by transformers' names (the hybrid's SAM pixels come second).
+        pixels = self.processor.normalize([p[None] for p in self.processor.pixels(decode_image(req.image), "image")])
+        names = ("pixel_values", "high_res_pixel_values")
+        images = {name: px.to(self.device, self.dtype) for name, px in zip(names, pixels)}
         ids = torch.tensor([self.prompts.build(req.prompt, 1).ids], device=self.device)
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=ids,
-                pixel_values=pixels,
+                **images,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=req.max_tokens,
                 min_new_tokens=req.max_tokens,

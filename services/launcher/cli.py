@@ -266,4 +266,11 @@ def _checked_options(argv: Sequence[str]) -> MeshOptions:
     args.model = resolve_model(args.model)  # preset:NAME -> its directory, made once before the children start
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model}: not a checkpoint directory (no config.json)")
+    from services.common.errors import InvalidArgument
+    from services.model.checkpoint import preflight
+
+    try:
+        preflight(args.model)  # a bad checkpoint is one line here, not three children failing to start
+    except InvalidArgument as err:
+        p.error(f"--model: {err.message}")
     return options_from_args(args)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.model.spec import LlavaSpec
+from services.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +41,14 @@ def pool_slot(blocks: list[int], position: int, page_size: int) -> int:
     return blocks[position // page_size] * page_size + position % page_size
 
 
-def page_bytes(spec: LlavaSpec, dtype: torch.dtype, page_size: int) -> int:
+def page_bytes(spec: ModelSpec, dtype: torch.dtype, page_size: int) -> int:
     """Bytes of one page: K and V, every layer."""
     t = spec.text
     return 2 * t.layers * t.kv_heads * page_size * t.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def pool_pages(
-    spec: LlavaSpec, dtype: torch.dtype, device: torch.device, cfg: KvConfig, max_batch: int, own_bytes: int
+    spec: ModelSpec, dtype: torch.dtype, device: torch.device, cfg: KvConfig, max_batch: int, own_bytes: int
 ) -> int:
     """Pages for the pool, the reserved null page included.
 
@@ -95,7 +95,7 @@ def pool_pages(
 class PagedKvCache:
     """k[layer], v[layer]: [g, n_pages * page_size, d] each."""
 
-    def __init__(self, spec: LlavaSpec, device: torch.device, dtype: torch.dtype, n_pages: int, page_size: int) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, n_pages: int, page_size: int) -> None:
         t = spec.text
         self.n_pages, self.page_size = n_pages, page_size
         shape = (t.kv_heads, n_pages * page_size, t.head_dim)

@@ -36,7 +36,7 @@ from services.model import gemv
 from services.model.checkpoint import load_decoder
 from services.model.llama import rope_tables
 from services.model.quantize import quantize_decoder
-from services.model.spec import LlavaSpec
+from services.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, spec: LlavaSpec, device: torch.device, dtype: torch.dtype, cfg: RunnerConfig) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, cfg: RunnerConfig) -> None:
         self.spec, self.device, self.dtype, self.cfg = spec, device, dtype, cfg
         self.max_context, self.max_batch = spec.text.max_context, cfg.max_batch
         self.page_size = cfg.kv.page_size

@@ -33,7 +33,7 @@ from services.handoff.consumer import Consumer
 from services.handoff.wire import CONTENT_KEY_BYTES, transport_name
 from services.llm.interface import Engine, Job, Submission
 from services.llm.request import Finish, Output, Request
-from services.model.spec import LlavaSpec
+from services.model.spec import ModelSpec
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import llm_pb2, llm_pb2_grpc, vision_pb2_grpc
 
@@ -46,7 +46,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
     def __init__(
         self,
         engine: Engine,
-        spec: LlavaSpec,
+        spec: ModelSpec,
         default_max_tokens: int,
         vision_target: str | None,
         vision_port_file: str | None = None,

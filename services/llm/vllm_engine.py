@@ -37,7 +37,7 @@ from services.llm.request import Finish, Output, Request
 from services.llm.submit import new_request
 from services.model.checkpoint import load_decoder
 from services.model.prompt import PromptBuilder
-from services.model.spec import LlavaSpec
+from services.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
 KV_HEADROOM_BYTES = 64 * 2**20
 
 
-def export_text_model(spec: LlavaSpec, dtype: torch.dtype, root: Path = Path(".cache/vllm-text")) -> Path:
+def export_text_model(spec: ModelSpec, dtype: torch.dtype, root: Path = Path(".cache/vllm-text")) -> Path:
     """The checkpoint's decoder as a LlamaForCausalLM directory (weights, config, tokenizer); made once."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
@@ -64,6 +64,7 @@ def export_text_model(spec: LlavaSpec, dtype: torch.dtype, root: Path = Path(".c
         state.pop("lm_head.weight", None)
     text = spec.hf_config.text_config
     text.architectures = ["MistralForCausalLM" if text.model_type == "mistral" else "LlamaForCausalLM"]
+    text.tie_word_embeddings = spec.text.tie_embeddings  # DeepSeek-VL ties at the top of its config
     text.torch_dtype = dtype
     text.save_pretrained(out)
     AutoTokenizer.from_pretrained(spec.model_dir, local_files_only=True).save_pretrained(out)
@@ -119,7 +120,7 @@ class VllmSubmission:
         )
 
 
-def kv_cache_bytes(spec: LlavaSpec, dtype: torch.dtype, max_batch: int) -> int:
+def kv_cache_bytes(spec: ModelSpec, dtype: torch.dtype, max_batch: int) -> int:
     """K and V of every layer for `max_batch` sequences of the whole context."""
     t = spec.text
     return 2 * t.layers * t.kv_heads * t.head_dim * dtype.itemsize * max_batch * t.max_context
@@ -133,7 +134,7 @@ class VllmEngine:
 
     def __init__(
         self,
-        spec: LlavaSpec,
+        spec: ModelSpec,
         dtype: torch.dtype,
         max_batch: int,
         prompts: PromptBuilder,

@@ -1,15 +1,13 @@
-"""Load LLaVA safetensors into the plain-PyTorch modules, accepting every key layout.
+"""Load a checkpoint's safetensors into the plain-PyTorch modules, accepting every key layout.
 
-Layouts seen in the wild (ARCHITECTURE.md):
-- transformers 5.x saves `vision_tower.embeddings.*`, `vision_tower.encoder.*`,
-  `multi_modal_projector.*`, `language_model.model.*`, `language_model.lm_head.*`;
-- published LLaVA-1.5 uses `vision_tower.vision_model.*`;
-- transformers 4.5x in-memory names use `model.vision_tower.*`, `model.language_model.*`
-  and a top-level `lm_head.*`.
+The decoder's keys are the same in every family (`language_model.model.*` or
+`model.language_model.*`, and `lm_head.*` at the top or under `language_model.`); the vision
+side's are the family's to name (`Family.vision_key`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 
@@ -18,76 +16,127 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from services.common.errors import InvalidArgument
-from services.model.clip import VisionTower
+from services.model.family import Family, family_of
 from services.model.files import check_safetensors, weight_files
 from services.model.llama import LlamaDecoder
 from services.model.presets import init_random, is_random
-from services.model.spec import LlavaSpec
+from services.model.spec import ModelSpec
 
-# (pattern, part, replacement): the first match names the part and the key inside it.
-_RULES = [
-    (re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?(.*)$"), "vision", r"\1"),
-    (re.compile(r"^(?:model\.)?multi_modal_projector\.(.*)$"), "vision", r"multi_modal_projector.\1"),
-    (re.compile(r"^(?:language_model\.|model\.language_model\.)lm_head\.(.*)$"), "text", r"lm_head.\1"),
-    (re.compile(r"^lm_head\.(.*)$"), "text", r"lm_head.\1"),
-    (
-        re.compile(r"^(?:language_model\.model\.|model\.language_model\.|language_model\.)(.*)$"),
-        "text",
-        r"\1",
-    ),
+# (pattern, replacement): the first match names the decoder's module key.
+_TEXT_KEYS = [
+    (re.compile(r"^(?:language_model\.|model\.language_model\.)lm_head\.(.*)$"), r"lm_head.\1"),
+    (re.compile(r"^lm_head\.(.*)$"), r"lm_head.\1"),
+    (re.compile(r"^(?:language_model\.model\.|model\.language_model\.|language_model\.)(.*)$"), r"\1"),
 ]
 
 
-def canonical_key(key: str) -> tuple[str, str] | None:
-    """Map a checkpoint key to (part, module key); None for keys no service uses."""
-    for pattern, part, repl in _RULES:
+def canonical_key(key: str, family: Family | None = None) -> tuple[str, str] | None:
+    """Map a checkpoint key to (part, module key), part 'vision' or 'text'; None for keys no service uses."""
+    from services.model.llava import LLAVA
+
+    vision = (family or LLAVA).vision_key(key)
+    if vision is not None:
+        return "vision", vision
+    for pattern, repl in _TEXT_KEYS:
         if pattern.match(key):
-            return part, pattern.sub(repl, key)
+            return "text", pattern.sub(repl, key)
     return None
 
 
-def read_state_dict(model_dir: Path, part: str, wanted: set[str]) -> dict[str, torch.Tensor]:
-    """Read the tensors of one part ('vision' or 'text') whose module keys are in `wanted`.
+# module key -> (shard, checkpoint key, shape): where one part's weights are, from the headers.
+Found = dict[str, tuple[Path, str, tuple[int, ...]]]
+
+
+def _find(spec: ModelSpec, part: str) -> Found:
+    """One part's ('vision' or 'text') weights in the shards' headers (no tensor is read).
 
     A shard safetensors cannot read (cut short, corrupt) is an InvalidArgument naming the file.
     """
-    out: dict[str, torch.Tensor] = {}
-    for shard in weight_files(model_dir):
-        try:
-            with safe_open(str(shard), framework="pt") as f:
-                for key in f.keys():
-                    mapped = canonical_key(key)
-                    if mapped and mapped[0] == part and mapped[1] in wanted:
-                        out[mapped[1]] = f.get_tensor(key)
-        except (SafetensorError, OSError) as err:
-            check_safetensors(shard)  # names what is wrong with the file when it can tell
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise InvalidArgument(f"{shard}: cannot read these safetensors weights: {reason}") from None
+    family, out = family_of(spec), {}
+    for shard in weight_files(spec.model_dir):
+        with _reading(shard) as f:
+            for key in f.keys():
+                mapped = canonical_key(key, family)
+                if mapped and mapped[0] == part:
+                    out[mapped[1]] = (shard, key, tuple(f.get_slice(key).get_shape()))
     return out
 
 
-def _load(module: nn.Module, model_dir: Path, part: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    if is_random(model_dir):  # a benchmark preset: no weights on disk
-        return init_random(module, device, dtype)
-    wanted = set(module.state_dict().keys())
-    state = read_state_dict(model_dir, part, wanted)
-    missing = wanted - state.keys()
+@contextlib.contextmanager
+def _reading(shard: Path):
+    """safe_open(shard), a failure to read it (cut short, corrupt) an InvalidArgument naming the file."""
+    try:
+        with safe_open(str(shard), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as err:
+        check_safetensors(shard)  # names what is wrong with the file when it can tell
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise InvalidArgument(f"{shard}: cannot read these safetensors weights: {reason}") from None
+
+
+def _check(module: nn.Module, spec: ModelSpec, part: str) -> Found:
+    """The weights `module` needs, each present with the shape the config implies; else one
+    InvalidArgument naming the directory and the missing keys, or the shard, key and both shapes."""
+    shapes = {key: tuple(t.shape) for key, t in module.state_dict().items()}  # meta tensors: shapes only
+    found = _find(spec, part)
+    missing = sorted(shapes.keys() - found.keys())
     if missing:
-        raise InvalidArgument(f"{model_dir}: {part} weights missing from the checkpoint: {sorted(missing)[:5]}")
-    module.load_state_dict(state, assign=True)
+        raise InvalidArgument(f"{spec.model_dir}: {part} weights missing from the checkpoint: {missing[:5]}")
+    for key, want in shapes.items():
+        shard, name, shape = found[key]
+        if shape != want:
+            raise InvalidArgument(f"{shard}: {name} is {shape}, but {spec.model_dir}/config.json implies {want}")
+    return {key: found[key] for key in shapes}
+
+
+def _read(found: Found) -> dict[str, torch.Tensor]:
+    by_shard: dict[Path, list[tuple[str, str]]] = {}
+    for key, (shard, name, _) in found.items():
+        by_shard.setdefault(shard, []).append((key, name))
+    out = {}
+    for shard, keys in by_shard.items():
+        with _reading(shard) as f:
+            out.update({key: f.get_tensor(name) for key, name in keys})
+    return out
+
+
+def _load(module: nn.Module, spec: ModelSpec, part: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    if is_random(spec.model_dir):  # a benchmark preset: no weights on disk
+        return init_random(module, device, dtype)
+    module.load_state_dict(_read(_check(module, spec, part)), assign=True)
     return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def load_vision_tower(spec: LlavaSpec, device: torch.device, dtype: torch.dtype) -> VisionTower:
-    """The ViT and projector's weights, q/k/v fused as its forward needs."""
+def _tied(spec: ModelSpec) -> bool:
+    """A tied checkpoint without an lm_head tensor: the head shares the embedding matrix."""
+    return spec.text.tie_embeddings and not is_random(spec.model_dir) and "lm_head.weight" not in _find(spec, "text")
+
+
+def _meta_module(spec: ModelSpec, part: str) -> nn.Module:
     with torch.device("meta"):
-        tower = VisionTower(spec)
-    tower = _load(tower, spec.model_dir, "vision", device, dtype)
-    tower.fuse_projections()
-    return tower  # type: ignore[return-value]
+        if part == "vision":
+            return family_of(spec).build_tower(spec)
+        decoder = LlamaDecoder(spec.text)
+        if _tied(spec):
+            decoder.lm_head = nn.Identity()  # type: ignore[assignment]  # shared after loading
+        return decoder
 
 
-def load_decoder(spec: LlavaSpec, device: torch.device, dtype: torch.dtype, fuse: bool = True) -> LlamaDecoder:
+def check_weights(spec: ModelSpec, part: str) -> None:
+    """Before loading: the checkpoint holds every weight of `part` in the shape its config implies
+    (InvalidArgument naming the file and the key otherwise). Reads the headers, no tensor."""
+    if not is_random(spec.model_dir):
+        _check(_meta_module(spec, part), spec, part)
+
+
+def load_vision_tower(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The family's tower(s) and projector with their weights, prepared as its forward needs."""
+    tower = _load(_meta_module(spec, "vision"), spec, "vision", device, dtype)
+    family_of(spec).prepare_tower(tower)
+    return tower
+
+
+def load_decoder(spec: ModelSpec, device: torch.device, dtype: torch.dtype, fuse: bool = True) -> LlamaDecoder:
     """The decoder's weights; with `fuse`, q/k/v and gate/up concatenated as its forward needs."""
     decoder = _load_decoder(spec, device, dtype)
     if fuse:
@@ -95,17 +144,32 @@ def load_decoder(spec: LlavaSpec, device: torch.device, dtype: torch.dtype, fuse
     return decoder
 
 
-def _load_decoder(spec: LlavaSpec, device: torch.device, dtype: torch.dtype) -> LlamaDecoder:
-    with torch.device("meta"):
-        decoder = LlamaDecoder(spec.text)
-    if spec.text.tie_embeddings and not is_random(spec.model_dir):
-        # Tied checkpoints carry no lm_head tensor; share the embedding matrix instead.
-        state = read_state_dict(spec.model_dir, "text", {"embed_tokens.weight", "lm_head.weight"})
-        if "lm_head.weight" not in state:
-            decoder.lm_head = nn.Identity()  # replaced below, after loading
-            decoder = _load(decoder, spec.model_dir, "text", device, dtype)  # type: ignore[assignment]
-            head = nn.Linear(spec.text.hidden, spec.text.vocab, bias=False, device=device, dtype=dtype)
-            head.weight = decoder.embed_tokens.weight
-            decoder.lm_head = head
-            return decoder
-    return _load(decoder, spec.model_dir, "text", device, dtype)  # type: ignore[return-value]
+def _load_decoder(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> LlamaDecoder:
+    decoder: LlamaDecoder = _load(_meta_module(spec, "text"), spec, "text", device, dtype)  # type: ignore[assignment]
+    if isinstance(decoder.lm_head, nn.Identity):  # tied: the head is the embedding matrix
+        head = nn.Linear(spec.text.hidden, spec.text.vocab, bias=False, device=device, dtype=dtype)
+        head.weight = decoder.embed_tokens.weight
+        decoder.lm_head = head
+    return decoder
+
+
+def preflight(model_dir: str | Path, parts: tuple[str, ...] = ("vision", "text"), tokenizer: bool = True) -> ModelSpec:
+    """Everything about a checkpoint that can fail without loading it: its files (whole, a
+    tokenizer), its config (the family's checks) and its weights' names and shapes. The CLI runs
+    it before a service binds a port, so a bad checkpoint is one line, not a failed start."""
+    import logging
+
+    from services.model.files import check_checkpoint
+    from services.model.spec import load_spec
+
+    check_checkpoint(model_dir, weights=True, tokenizer=tokenizer)
+    spec = load_spec(model_dir)
+    # Building a tower imports transformers' modeling code, whose optional back-ends (torchao)
+    # log warnings on import; here, before the command's own logging, they would bury its one line.
+    logging.disable(logging.WARNING)
+    try:
+        for part in parts:
+            check_weights(spec, part)
+    finally:
+        logging.disable(logging.NOTSET)
+    return spec

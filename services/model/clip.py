@@ -9,15 +9,14 @@ Shapes: B images, P = patches (+1 CLS), D = vision width, H = text width.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from services.model.family import LayerFn, run_layer
 from services.model.fuse import fuse_linears
-from services.model.spec import LlavaSpec, VisionSpec
+from services.model.spec import ModelSpec, VisionSpec
 
 
 class VisionEmbeddings(nn.Module):
@@ -80,14 +79,6 @@ class VisionLayer(nn.Module):
         return x + self.mlp(self.layer_norm2(x))
 
 
-def run_layer(layer: VisionLayer, x: torch.Tensor) -> torch.Tensor:
-    """One ViT layer, x [B, P, D] -> [B, P, D] (a function, to compile once for every layer)."""
-    return layer(x)
-
-
-LayerFn = Callable[[VisionLayer, torch.Tensor], torch.Tensor]
-
-
 class VisionEncoder(nn.Module):
     def __init__(self, s: VisionSpec) -> None:
         super().__init__()
@@ -96,11 +87,11 @@ class VisionEncoder(nn.Module):
 
 
 class Projector(nn.Module):
-    def __init__(self, spec: LlavaSpec) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        bias = spec.projector_bias
-        self.linear_1 = nn.Linear(spec.vision.hidden, spec.text.hidden, bias=bias)
-        self.act = ACT2FN[spec.projector_act]
+        bias = spec.vision.projector_bias  # type: ignore[attr-defined]
+        self.linear_1 = nn.Linear(spec.vision.vit.hidden, spec.text.hidden, bias=bias)  # type: ignore[attr-defined]
+        self.act = ACT2FN[spec.vision.projector_act]  # type: ignore[attr-defined]
         self.linear_2 = nn.Linear(spec.text.hidden, spec.text.hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,9 +101,10 @@ class Projector(nn.Module):
 class VisionTower(nn.Module):
     """ViT + projector: pixels [B, 3, S, S] -> image features [B, image_tokens, H]."""
 
-    def __init__(self, spec: LlavaSpec) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        s = spec.vision
+        s: VisionSpec = spec.vision.vit  # type: ignore[attr-defined]
+        self.image_size = s.image_size
         self.keep_cls = s.keep_cls
         self.embeddings = VisionEmbeddings(s)
         self.pre_layrnorm = nn.LayerNorm(s.hidden, eps=s.eps)
@@ -124,6 +116,9 @@ class VisionTower(nn.Module):
         """Concatenate each layer's q/k/v weights (after loading: checkpoints keep them apart)."""
         for layer in self.encoder.layers:
             layer.self_attn.fuse()
+
+    def input_shapes(self) -> list[tuple[int, ...]]:
+        return [(3, self.image_size, self.image_size)]
 
     def forward(self, pixels: torch.Tensor, run_layer: LayerFn = run_layer) -> torch.Tensor:
         x = self.pre_layrnorm(self.embeddings(pixels))  # [B, P, D]

@@ -21,7 +21,7 @@ from torch import nn
 
 from services.model.fuse import fuse_linears
 from services.model.qlinear import project
-from services.model.spec import LlavaSpec, TextSpec
+from services.model.spec import ModelSpec, TextSpec
 
 
 class RMSNorm(nn.Module):
@@ -37,7 +37,7 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_tables(spec: LlavaSpec, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [max_context, d] for the checkpoint's RoPE type, computed in fp32 then cast.
 
     A position's row is what transformers computes for it, so gathering rows by position

@@ -46,8 +46,7 @@ class ImageProcessorConfig:
 
     @classmethod
     def load(cls, model_dir: Path, image_size: int) -> ImageProcessorConfig:
-        path = model_dir / "preprocessor_config.json"
-        raw = json.loads(path.read_text()) if path.is_file() else {}
+        path, raw = image_processor_json(model_dir)
         size = raw.get("size", {"shortest_edge": image_size})
         if isinstance(size, int):
             size = {"shortest_edge": size}
@@ -74,6 +73,21 @@ class ImageProcessorConfig:
         if not cfg.do_center_crop and cfg.size_hw is None:
             raise InvalidArgument(f"{path}: without a center crop, size must be a fixed height and width")
         return cfg
+
+
+def image_processor_json(model_dir: Path) -> tuple[Path, dict]:
+    """The image processor's settings: preprocessor_config.json, or the "image_processor" entry of
+    processor_config.json (where transformers 5 saves a whole processor); ({}) when neither exists."""
+    path = model_dir / "preprocessor_config.json"
+    try:
+        if path.is_file():
+            return path, json.loads(path.read_text())
+        whole = model_dir / "processor_config.json"
+        if whole.is_file():
+            return whole, json.loads(whole.read_text()).get("image_processor", {})
+    except (ValueError, AttributeError):
+        raise InvalidArgument(f"{path if path.is_file() else whole}: not a JSON object") from None
+    return path, {}
 
 
 def _reason(err: BaseException) -> str:

@@ -1,7 +1,7 @@
 """Named random-weight models of production shape, for benchmarks.
 
-`--model preset:NAME` materialises NAME once into .cache/presets/NAME: a real LLaVA
-config.json, tokenizer, chat template and preprocessor config, but no weights, and a
+`--model preset:NAME` materialises NAME once into .cache/presets/NAME: a real config.json of
+its family, tokenizer, chat template and preprocessor config, but no weights, and a
 RANDOM_WEIGHTS marker. The loader then initialises the modules directly on the target
 device (no 13 GB file to write or read). Answers are noise, so benchmarks force the
 output length; correctness is checked separately on real checkpoints.
@@ -43,19 +43,37 @@ TEXT_FIELDS = (
 )
 
 
-def _preset(vision: tuple[int, ...], text: tuple[int, ...]) -> dict[str, dict[str, int]]:
+def _preset(vision: tuple[int, ...], text: tuple[int, ...], family: str = "llava", **extra) -> dict:
+    """A preset's config fields by part; `extra` holds a family's own parts (DeepSeek's high-res tower)."""
     return {
+        "family": family,
         "vision": dict(zip(VISION_FIELDS, vision, strict=True)),
         "text": dict(zip(TEXT_FIELDS, text, strict=True)),
+        **extra,
     }
 
 
-PRESETS: dict[str, dict[str, dict[str, int]]] = {
+PRESETS: dict[str, dict] = {
     # CLIP ViT-L/14 @ 336 (576 image tokens), 2-layer MLP projector 1024 -> 4096,
     # Llama-2-7B shape (32 layers, 4096 wide, 11008 MLP, 32 heads).
     "llava-7b-shaped": _preset((1024, 4096, 24, 16, 336, 14, 768), (4096, 11008, 32, 32, 32, 32000, 4096)),
     # The same structure at toy size, for tests on the CPU.
     "tiny-shaped": _preset((64, 128, 3, 4, 56, 14, 64), (64, 128, 2, 4, 4, 512, 512)),
+    # deepseek-vl-7b-chat: SigLIP-L/16 @ 384 (576 tokens, exact GELU) beside a SAM ViT-B/16 @ 1024,
+    # fused by the hybrid aligner; Llama decoder of 30 layers, 4096 wide, vocabulary 102400.
+    "deepseek-vl-7b-shaped": _preset(
+        (1024, 4096, 24, 16, 384, 16, 1024),
+        (4096, 11008, 30, 32, 32, 102400, 16384),
+        family="deepseek_vl_hybrid",
+        high_res={
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "image_size": 1024,
+            "patch_size": 16,
+        },
+    ),
 }
 
 
@@ -75,31 +93,11 @@ def resolve_model(model: str, cache: Path | None = None) -> str:
 
 
 def _materialize(name: str, out: Path) -> None:
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig
-
-    from services.model.tiny import build_tokenizer
+    from services.model.family import family_named
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}-"))
-    preset = PRESETS[name]
-    tok = build_tokenizer(tmp, vocab_size=1000)
-    vision = CLIPVisionConfig(**preset["vision"])
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=LlamaConfig(
-            **preset["text"],
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        ),
-        image_token_index=tok.convert_tokens_to_ids("<image>"),
-        image_seq_length=(vision.image_size // vision.patch_size) ** 2,
-        vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
-    )
-    config.save_pretrained(tmp)
-    side = vision.image_size
-    CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side}).save_pretrained(tmp)
+    family_named(PRESETS[name]["family"]).write_preset(tmp, name)
     (tmp / MARKER).write_text(json.dumps({"preset": name, "seed": 0}))
     if out.exists():  # another process won the race; keep theirs
         shutil.rmtree(tmp)

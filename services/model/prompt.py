@@ -1,5 +1,5 @@
-"""Prompt text -> token ids: the checkpoint's tokenizer and chat template, with image
-placeholders expanded to one position per image feature."""
+"""Prompt text -> token ids: the checkpoint's tokenizer and chat template, with the family's
+image placeholder (`ModelSpec.placeholder`) expanded to one position per image feature."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ from pathlib import Path
 
 from services.common.errors import InvalidArgument
 from services.model.files import check_tokenizer_files
-from services.model.spec import LlavaSpec
-
-IMAGE_PLACEHOLDER = "<image>"
+from services.model.spec import ModelSpec
 
 
 def _find_chat_template(model_dir: Path, tokenizer) -> str:
@@ -57,17 +55,17 @@ class PromptIds:
 
 
 class PromptBuilder:
-    """Applies the chat template and expands `<image>` to `image_tokens` positions."""
+    """Applies the chat template and expands each image placeholder to `image_tokens` positions."""
 
-    def __init__(self, spec: LlavaSpec) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
         self.tokenizer = load_tokenizer(spec.model_dir)
         self.template = _find_chat_template(spec.model_dir, self.tokenizer)
-        image_id = self.tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
+        image_id = self.tokenizer.convert_tokens_to_ids(spec.placeholder)
         if image_id != spec.image_token_id:
             raise InvalidArgument(
-                f"{spec.model_dir}: tokenizer maps {IMAGE_PLACEHOLDER!r} to {image_id}, "
-                f"but config.json says image_token_index={spec.image_token_id}"
+                f"{spec.model_dir}: tokenizer maps {spec.placeholder!r} to {image_id}, "
+                f"but config.json says the image token is {spec.image_token_id}"
             )
 
     def render(self, prompt: str | Sequence[dict], n_images: int) -> str:
@@ -84,15 +82,16 @@ class PromptBuilder:
 
     def build(self, prompt: str | Sequence[dict], n_images: int) -> PromptIds:
         text = self.render(prompt, n_images)
-        # The template writes BOS itself, so the tokenizer adds no special tokens (as
-        # transformers does for chat templates).
-        raw = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        # As transformers' processors do: the tokenizer adds its special tokens (BOS) unless the
+        # template already wrote BOS (LLaVA's writes it, DeepSeek's leaves it to the tokenizer).
+        bos = self.tokenizer.bos_token
+        raw = self.tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
         image_id, per_image = self.spec.image_token_id, self.spec.image_tokens
         found = raw.count(image_id)
         if found != n_images:
             raise InvalidArgument(
                 f"the prompt yields {found} image placeholders for {n_images} images; "
-                f"do not write {IMAGE_PLACEHOLDER!r} in the prompt text"
+                f"do not write {self.spec.placeholder!r} in the prompt text"
             )
         ids: list[int] = []
         positions: list[int] = []

@@ -1,7 +1,9 @@
-"""What the services need to know of a LLaVA checkpoint, read from its config.json."""
+"""What the services need to know of a checkpoint, read from its config.json: the decoder's
+shape (every family's decoder is Llama-like), and the family's own vision description."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +14,8 @@ from services.common.errors import InvalidArgument
 
 @dataclass(frozen=True)
 class VisionSpec:
+    """A plain ViT (CLIP's or SigLIP's): the layers services/model/clip.py builds."""
+
     hidden: int
     intermediate: int
     layers: int
@@ -21,9 +25,9 @@ class VisionSpec:
     act: str
     eps: float
     # How many encoder layers to run: LLaVA reads hidden_states[feature_layer], so the
-    # layers after it are skipped entirely.
+    # layers after it are never built.
     layers_used: int
-    # Keep the CLS token ("full") or drop it ("default").
+    # Keep the CLS token ("full") or drop it ("default"); SigLIP has none.
     keep_cls: bool
 
     @property
@@ -54,19 +58,18 @@ class TextSpec:
 
 
 @dataclass(frozen=True)
-class LlavaSpec:
+class ModelSpec:
+    """What every service needs of a checkpoint, whatever its family (services/model/family.py)."""
+
     model_dir: Path
     model_id: str
-    vision: VisionSpec
+    family: str  # the name of the Family that read it ("llava", "deepseek_vl")
     text: TextSpec
     image_token_id: int
-    projector_act: str
-    projector_bias: bool
-    hf_config: object  # the transformers LlavaConfig, for rope set-up of non-default types
-
-    @property
-    def image_tokens(self) -> int:
-        return self.vision.image_tokens
+    placeholder: str  # the tokenizer's image placeholder token ("<image>", "<image_placeholder>")
+    image_tokens: int  # feature positions per image
+    vision: object  # the family's own description of its tower(s)
+    hf_config: object  # the transformers config, for rope set-up of non-default types
 
 
 def _eos_ids(value: object) -> tuple[int, ...]:
@@ -77,37 +80,26 @@ def _eos_ids(value: object) -> tuple[int, ...]:
     return tuple(int(v) for v in value)  # type: ignore[union-attr]
 
 
-def load_spec(model_dir: str | Path) -> LlavaSpec:
-    """Read a Hugging Face LLaVA checkpoint's config with transformers and validate it."""
-    from transformers import AutoConfig, GenerationConfig
+def model_id(model_dir: str | Path, path: Path) -> str:
+    """A preset's name, or the checkpoint directory's."""
+    text = str(model_dir)
+    return text.removeprefix("preset:") if text.startswith("preset:") else path.name
 
-    from services.model.presets import resolve_model
 
-    path = Path(resolve_model(str(model_dir)))
-    if not (path / "config.json").is_file():
-        raise InvalidArgument(f"{path}: no config.json; --model must be a local LLaVA checkpoint directory")
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    if getattr(cfg, "model_type", None) != "llava":
-        raise InvalidArgument(f"{path}: model_type is {getattr(cfg, 'model_type', None)!r}, expected 'llava'")
-    vc, tc = cfg.vision_config, cfg.text_config
-    if vc.model_type != "clip_vision_model":
-        raise InvalidArgument(f"{path}: vision tower {vc.model_type!r} is not supported (CLIP only)")
+def text_spec(path: Path, cfg: object) -> TextSpec:
+    """The Llama-family decoder of a vision-language config (`cfg.text_config`)."""
+    from transformers import GenerationConfig
+
+    tc = cfg.text_config  # type: ignore[attr-defined]
     if tc.model_type not in ("llama", "mistral"):
-        raise InvalidArgument(f"{path}: decoder {tc.model_type!r} is not supported (Llama family)")
-    feature_layer = cfg.vision_feature_layer
-    if not isinstance(feature_layer, int):
-        raise InvalidArgument(f"{path}: vision_feature_layer={feature_layer!r}: only one layer is supported")
-    layers_used = feature_layer if feature_layer >= 0 else vc.num_hidden_layers + 1 + feature_layer
-    if not 0 <= layers_used <= vc.num_hidden_layers:
-        raise InvalidArgument(f"{path}: vision_feature_layer={feature_layer} is outside the ViT")
-    strategy = cfg.vision_feature_select_strategy
-    if strategy not in ("default", "full"):
-        raise InvalidArgument(f"{path}: vision_feature_select_strategy={strategy!r}")
+        raise InvalidArgument(
+            f"{path}/config.json: text_config.model_type {tc.model_type!r} is not supported (Llama family)"
+        )
     rope = getattr(tc, "rope_parameters", None) or {}
     rope_theta = float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", "default")
     if "dynamic" in rope_type:
-        raise InvalidArgument(f"{path}: rope_type {rope_type!r} (length-dependent) is not supported")
+        raise InvalidArgument(f"{path}/config.json: rope_type {rope_type!r} (length-dependent) is not supported")
     eos = getattr(tc, "eos_token_id", None)
     try:
         gen = GenerationConfig.from_pretrained(path, local_files_only=True)
@@ -115,42 +107,46 @@ def load_spec(model_dir: str | Path) -> LlavaSpec:
     except OSError:
         pass
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    return LlavaSpec(
-        model_dir=path,
-        model_id=str(model_dir).removeprefix("preset:") if str(model_dir).startswith("preset:") else path.name,
-        vision=VisionSpec(
-            hidden=vc.hidden_size,
-            intermediate=vc.intermediate_size,
-            layers=vc.num_hidden_layers,
-            heads=vc.num_attention_heads,
-            image_size=vc.image_size,
-            patch_size=vc.patch_size,
-            act=vc.hidden_act,
-            eps=vc.layer_norm_eps,
-            layers_used=layers_used,
-            keep_cls=strategy == "full",
-        ),
-        text=TextSpec(
-            hidden=tc.hidden_size,
-            intermediate=tc.intermediate_size,
-            layers=tc.num_hidden_layers,
-            heads=tc.num_attention_heads,
-            kv_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
-            head_dim=head_dim,
-            vocab=tc.vocab_size,
-            max_context=tc.max_position_embeddings,
-            rope_theta=rope_theta,
-            rope_type=rope_type,
-            eps=tc.rms_norm_eps,
-            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False) or tc.tie_word_embeddings),
-            bos_token_id=getattr(tc, "bos_token_id", None),
-            eos_token_ids=_eos_ids(eos),
-        ),
-        image_token_id=cfg.image_token_index,
-        projector_act=cfg.projector_hidden_act,
-        projector_bias=getattr(cfg, "multimodal_projector_bias", True),
-        hf_config=cfg,
+    return TextSpec(
+        hidden=tc.hidden_size,
+        intermediate=tc.intermediate_size,
+        layers=tc.num_hidden_layers,
+        heads=tc.num_attention_heads,
+        kv_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+        head_dim=head_dim,
+        vocab=tc.vocab_size,
+        max_context=tc.max_position_embeddings,
+        rope_theta=rope_theta,
+        rope_type=rope_type,
+        eps=tc.rms_norm_eps,
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False) or tc.tie_word_embeddings),
+        bos_token_id=getattr(tc, "bos_token_id", None),
+        eos_token_ids=_eos_ids(eos),
     )
+
+
+def load_spec(model_dir: str | Path) -> ModelSpec:
+    """Read a Hugging Face checkpoint's config with transformers; its `model_type` names the family."""
+    from transformers import AutoConfig
+
+    from services.model.family import family_for
+    from services.model.presets import resolve_model
+
+    path = Path(resolve_model(str(model_dir)))
+    config = path / "config.json"
+    if not config.is_file():
+        raise InvalidArgument(f"{path}: no config.json; --model must be a local checkpoint directory")
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (ValueError, AttributeError):
+        raise InvalidArgument(f"{config}: not a JSON object") from None
+    family = family_for(model_type, config)
+    try:
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, TypeError, KeyError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise InvalidArgument(f"{config}: transformers cannot read it: {reason}") from None
+    return family.read_spec(path, cfg, model_id(model_dir, path))
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

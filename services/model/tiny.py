@@ -1,4 +1,5 @@
-"""Build tiny random-weight LLaVA checkpoints with transformers, for tests and the demo.
+"""Build tiny random-weight LLaVA checkpoints with transformers, for tests and the demo; the
+tokenizer every family's tiny checkpoint and preset use.
 
 The checkpoint is a real Hugging Face LLaVA directory (config.json, safetensors,
 tokenizer with chat template, preprocessor_config.json) written by transformers'
@@ -22,8 +23,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
-
 _CORPUS = [
     "USER: ASSISTANT: What is in the image? Describe the picture in detail.",
     "a red circle, a green square, a blue triangle, a yellow star, purple and orange shapes",
@@ -33,9 +32,22 @@ _CORPUS = [
 ]
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int, corpus: list[str] | None = None):
-    """A byte-level BPE tokenizer trained on a fixed corpus (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(
+    out_dir: Path,
+    vocab_size: int,
+    corpus: list[str] | None = None,
+    template: str = CHAT_TEMPLATE,
+    bos: str = "<s>",
+    eos: str = "</s>",
+    pad: str = "<pad>",
+    image: str = "<image>",
+    add_bos: bool = False,
+):
+    """A byte-level BPE tokenizer trained on a fixed corpus (deterministic).
+
+    `add_bos`: the tokenizer writes BOS itself (as Llama's does), for chat templates that do not.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -43,20 +55,24 @@ def build_tokenizer(out_dir: Path, vocab_size: int, corpus: list[str] | None = N
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(dict.fromkeys(["<unk>", bos, eos, pad, image])),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator((corpus or _CORPUS) * 4, trainer=trainer)
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
+        )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        extra_special_tokens={"image_token": "<image>"},
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=pad,
+        extra_special_tokens={"image_token": image},
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = template
     fast.save_pretrained(out_dir)
     return fast
 
@@ -97,13 +113,21 @@ def build_tiny_llava(
 def build_preset_checkpoint(out_dir: str | Path, preset: str, text_layers: int, vision_layers: int, seed: int = 0):
     """A named preset's shapes (services/model/presets.py) cut to a few layers, with random weights
     saved by transformers: production-sized matrices that transformers itself can load, for
-    checking the engine against it on the GPU."""
+    checking the engine against it on the GPU. DeepSeek-VL's SAM tower keeps `vision_layers` too,
+    its last one global."""
     from services.model.presets import PRESETS
 
-    vision = {**PRESETS[preset]["vision"], "num_hidden_layers": vision_layers}
-    text = {**PRESETS[preset]["text"], "num_hidden_layers": text_layers}
+    entry = PRESETS[preset]
+    vision = {**entry["vision"], "num_hidden_layers": vision_layers}
+    text = {**entry["text"], "num_hidden_layers": text_layers}
     vocab = text.pop("vocab_size")
-    return build_llava(out_dir, vision, text, 1000, seed, center_crop=True, text_vocab=vocab)
+    if entry["family"] == "llava":
+        return build_llava(out_dir, vision, text, 1000, seed, center_crop=True, text_vocab=vocab)
+    vision.pop("projection_dim")
+    high = None
+    if entry["family"] == "deepseek_vl_hybrid":
+        high = {**entry["high_res"], "num_hidden_layers": vision_layers, "global_attn_indexes": [vision_layers - 1]}
+    return build_deepseek(out_dir, vision, high, text, 1000, seed, text_vocab=vocab)
 
 
 def build_llava(
@@ -151,12 +175,7 @@ def build_llava(
     )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
-    # Larger-than-default init so that random logits are not near-ties: greedy tokens
-    # then differ between images, which is what the oracle test needs to see.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and "embedding" not in name:
-                p.normal_(0.0, 0.2 / p.shape[-1] ** 0.5 * 4)
+    widen_init(model)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out)
     crop = {"height": image_size, "width": image_size}
@@ -167,3 +186,181 @@ def build_llava(
     )
     processor.save_pretrained(out)
     return out
+
+
+def widen_init(model) -> None:
+    """Larger-than-default random weights, so that random logits are not near-ties: greedy tokens
+    then differ between images, which is what the oracle tests need to see."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "embedding" not in name:
+                p.normal_(0.0, 0.2 / p.shape[-1] ** 0.5 * 4)
+
+
+# DeepSeek-VL's conversation format (its own repository's conversation.py, as transformers'
+# converted checkpoints carry it): a system line, "User: ...\n\n", "Assistant: ...<eos>"; within a
+# message, text after text is joined by a space and the message's ends are stripped.
+DEEPSEEK_BOS, DEEPSEEK_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+DEEPSEEK_TEMPLATE = (
+    "You are a helpful language and vision assistant. You are able to understand the visual content that the "
+    "user provides, and assist the user with a variety of tasks using natural language.\n\n"
+    "{% for message in messages %}"
+    "{% set role = message['role']|lower %}"
+    "{% if role == 'user' %}User: {% elif role == 'assistant' %}Assistant: {% else %}"
+    "{{ message['role'].capitalize() }}: {% endif %}"
+    "{% set parts = message['content'] if message['content'] is not string "
+    "else [{'type': 'text', 'text': message['content']}] %}"
+    "{% for part in parts %}"
+    "{% if part['type'] == 'image' %}<image_placeholder>"
+    "{% elif part['type'] == 'text' %}{% set text = part['text'] %}"
+    "{% if loop.first %}{% set text = text.lstrip() %}{% endif %}"
+    "{% if loop.last %}{% set text = text.rstrip() %}{% endif %}"
+    "{% if not loop.first and parts[loop.index0 - 1]['type'] == 'text' %} {% endif %}{{ text }}"
+    "{% endif %}{% endfor %}"
+    "{% if not loop.last or add_generation_prompt %}"
+    "{% if role == 'user' %}{{ '\n\n' }}{% else %}" + DEEPSEEK_EOS + "{% endif %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def build_tiny_deepseek(out_dir: str | Path, hybrid: bool, seed: int = 0, context: int = 512) -> Path:
+    """A random tiny DeepSeek-VL (SigLIP 32 px / 8 = 16 tokens; hybrid: SAM 64 px, window 3, so
+    windows are padded) with its tokenizer, chat template and image processor."""
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "image_size": 32,
+        "patch_size": 8,
+    }
+    high = {
+        "hidden_size": 32,
+        "output_channels": 16,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "image_size": 64,
+        "patch_size": 8,
+        "window_size": 3,
+        "global_attn_indexes": [1],
+        "mlp_dim": 64,
+    }
+    text = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": context,
+    }
+    return build_deepseek(out_dir, vision, high if hybrid else None, text, 384, seed)
+
+
+def _deepseek_config(tok, vision: dict, high: dict | None, text: dict, tie: bool):
+    from transformers import DeepseekVLConfig, DeepseekVLHybridConfig
+
+    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    common = {
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_act": "gelu",
+            "vision_use_head": False,
+            **vision,
+        },
+        "text_config": {"model_type": "llama", "vocab_size": len(tok), **text, **ids},
+        "image_token_id": tok.convert_tokens_to_ids("<image_placeholder>"),
+        "tie_word_embeddings": tie,
+    }
+    if high is None:
+        return DeepseekVLConfig(**common)
+    return DeepseekVLHybridConfig(**common, high_res_vision_config={"model_type": "sam_vision_model", **high})
+
+
+def _deepseek_processor(out: Path, tok, config, hybrid: bool) -> None:
+    """The image processor (and, for transformers' AutoProcessor, the processor) of the checkpoint."""
+    from transformers import DeepseekVLHybridProcessor, DeepseekVLProcessor
+    from transformers.image_utils import IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD, PILImageResampling
+    from transformers.models.deepseek_vl.image_processing_pil_deepseek_vl import DeepseekVLImageProcessorPil
+    from transformers.models.deepseek_vl_hybrid.image_processing_pil_deepseek_vl_hybrid import (
+        DeepseekVLHybridImageProcessorPil,
+    )
+
+    vc = config.vision_config
+    side = {"height": vc.image_size, "width": vc.image_size}
+    norm = {"image_mean": IMAGENET_STANDARD_MEAN, "image_std": IMAGENET_STANDARD_STD}
+    tokens = (vc.image_size // vc.patch_size) ** 2
+    if hybrid:
+        hs = config.high_res_vision_config.image_size
+        images = DeepseekVLHybridImageProcessorPil(
+            size=side, high_res_size={"height": hs, "width": hs}, resample=PILImageResampling.BILINEAR, **norm
+        )
+        processor = DeepseekVLHybridProcessor(images, tok, chat_template=DEEPSEEK_TEMPLATE, num_image_tokens=tokens)
+    else:
+        images = DeepseekVLImageProcessorPil(size=side, **norm)
+        processor = DeepseekVLProcessor(images, tok, chat_template=DEEPSEEK_TEMPLATE, num_image_tokens=tokens)
+    processor.save_pretrained(out)
+
+
+def _deepseek_tokenizer(out: Path, vocab_size: int):
+    return build_tokenizer(
+        out,
+        vocab_size,
+        template=DEEPSEEK_TEMPLATE,
+        bos=DEEPSEEK_BOS,
+        eos=DEEPSEEK_EOS,
+        pad=DEEPSEEK_EOS,
+        image="<image_placeholder>",
+        add_bos=True,
+    )
+
+
+def build_deepseek(
+    out_dir: str | Path,
+    vision: dict,
+    high: dict | None,
+    text: dict,
+    vocab_size: int,
+    seed: int,
+    text_vocab: int | None = None,
+) -> Path:
+    """Write a random DeepSeek-VL checkpoint (SigLIP `vision`, SAM `high` or None, Llama `text`);
+    `text_vocab` as in build_llava."""
+    import torch
+    from transformers import DeepseekVLForConditionalGeneration, DeepseekVLHybridForConditionalGeneration
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _deepseek_tokenizer(out, vocab_size)
+    config = _deepseek_config(tok, vision, high, text, tie=False)  # tied, random logits repeat the last token
+    if text_vocab:
+        config.text_config.vocab_size = text_vocab
+    torch.manual_seed(seed)
+    cls = DeepseekVLForConditionalGeneration if high is None else DeepseekVLHybridForConditionalGeneration
+    model = cls(config)
+    widen_init(model)
+    if high is not None:
+        with torch.no_grad():
+            model.model.high_res_vision_alpha.fill_(0.5)  # zero at init: the global branch would not count
+            # SAM's neck ends in a layer norm, so the fused features come out some 20x the text
+            # embeddings' size and swamp them: greedy tokens then barely depend on the picture.
+            model.model.aligner.proj.weight.mul_(0.05)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out)
+    _deepseek_processor(out, tok, config, hybrid=high is not None)
+    return out
+
+
+def write_deepseek_preset(out_dir: Path, name: str, hybrid: bool) -> None:
+    """A preset's config, tokenizer and processors (presets.py writes no weights)."""
+    from services.model.presets import PRESETS
+
+    preset = PRESETS[name]
+    tok = _deepseek_tokenizer(out_dir, 1000)
+    vision = {k: v for k, v in preset["vision"].items() if k != "projection_dim"}
+    text = {k: v for k, v in preset["text"].items() if k != "vocab_size"}
+    config = _deepseek_config(tok, vision, preset.get("high_res") if hybrid else None, text, tie=False)
+    config.text_config.vocab_size = preset["text"]["vocab_size"]
+    config.save_pretrained(out_dir)
+    _deepseek_processor(out_dir, tok, config, hybrid)

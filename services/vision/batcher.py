@@ -17,14 +17,14 @@ import torch
 
 from services.common import metrics, telemetry
 from services.common.qos import QosLevel, effective_class
-from services.vision.encoder import VisionEncoder
+from services.vision.encoder import Pixels, VisionEncoder
 
 
 @dataclass
 class _Item:
     qos: QosLevel
     seq: int
-    pixels: torch.Tensor = field(compare=False)
+    pixels: Pixels = field(compare=False)
     future: asyncio.Future = field(compare=False)
     enqueued: float = field(compare=False)
     trace: object = field(compare=False)  # the requester's span context (None when tracing is off)
@@ -60,7 +60,7 @@ class VisionBatcher:
                 item.future.cancel()
         self._executor.shutdown(wait=True)
 
-    async def submit(self, pixels: torch.Tensor, qos: QosLevel) -> EncodeResult:
+    async def submit(self, pixels: Pixels, qos: QosLevel) -> EncodeResult:
         future = asyncio.get_running_loop().create_future()
         item = _Item(qos, next(self._seq), pixels, future, time.perf_counter(), telemetry.current_context())
         self._waiting.append(item)
@@ -96,7 +96,7 @@ class VisionBatcher:
                 if not batch:
                     continue
                 start = time.perf_counter()
-                pixels = torch.stack([item.pixels for item in batch])  # [B, S, S, 3] uint8
+                pixels = [item.pixels for item in batch]
                 try:
                     feats = await loop.run_in_executor(self._executor, self.encoder.encode, pixels)
                 except Exception as err:  # a model failure fails this batch, not the server

@@ -16,7 +16,6 @@ Used from the server's event loop only (the single-flight table is not locked).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import time
 from collections.abc import Awaitable, Callable
@@ -28,7 +27,7 @@ from services.common import metrics, telemetry
 from services.handoff.producer import Producer
 from services.handoff.transport import Transport
 from services.handoff.wire import CONTENT_KEY_BYTES
-from services.model.preprocess import ImageProcessorConfig
+from services.model.family import ImageProcessor
 from vlmesh.v1 import common_pb2 as pb
 
 T = TypeVar("T")
@@ -36,9 +35,9 @@ T = TypeVar("T")
 KEY_BYTES = CONTENT_KEY_BYTES
 
 
-def config_salt(model_id: str, processor: ImageProcessorConfig, dtype: torch.dtype) -> bytes:
+def config_salt(model_id: str, processor: ImageProcessor, dtype: torch.dtype) -> bytes:
     """What, besides the bytes, decides the features: folded into every key."""
-    return repr((model_id, dataclasses.astuple(processor), str(dtype))).encode()
+    return repr((model_id, processor.salt(), str(dtype))).encode()
 
 
 class FeatureCache:

@@ -37,9 +37,32 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
+def deepseek_variants(tmp, model) -> None:
+    """Bad DeepSeek-VL checkpoints made from a good one: SAM's weights gone, a config whose SigLIP
+    width disagrees with the weights, a model type vlmesh does not serve."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    for name in ("no-sam", "wrong-width", "unknown-type"):
+        shutil.copytree(model, tmp / name)
+    weights = load_file(model / "model.safetensors")
+    kept = {k: v for k, v in weights.items() if ".high_res_vision_model." not in k}
+    save_file(kept, tmp / "no-sam" / "model.safetensors", metadata={"format": "pt"})
+    for name, change in (
+        ("wrong-width", lambda c: c["vision_config"].update(hidden_size=48)),
+        ("unknown-type", lambda c: c.update(model_type="blip-2")),
+    ):
+        path = tmp / name / "config.json"
+        config = json.loads(path.read_text())
+        change(config)
+        path.write_text(json.dumps(config))
+
+
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tmp_path_factory, tiny_deepseek_hybrid):
     tmp = tmp_path_factory.mktemp("cli")
+    deepseek_variants(tmp, tiny_deepseek_hybrid)
     (tmp / "pic.png").write_bytes(image_bytes(1))
     (tmp / "pictures").mkdir()
     broken = tmp / "broken-model"
@@ -104,6 +127,35 @@ CASES = {
     "serve llm, truncated weights": (
         [*VLMESH, "serve", "llm", "--model", "{tmp}/broken-model", "--port", "0", "--metrics-port", "-1"],
         ["vlmesh serve llm: error: {tmp}/broken-model/model.safetensors is truncated:"],
+    ),
+    "serve vision, DeepSeek-VL without its SAM weights": (
+        [*VLMESH, "serve", "vision", "--model", "{tmp}/no-sam", "--port", "0", "--metrics-port", "-1"],
+        [
+            "vlmesh serve vision: error: {tmp}/no-sam: vision weights missing from the checkpoint:",
+            "'high_res_vision_model.",
+        ],
+    ),
+    "serve vision, DeepSeek-VL config disagrees with its weights": (
+        [*VLMESH, "serve", "vision", "--model", "{tmp}/wrong-width", "--port", "0", "--metrics-port", "-1"],
+        [
+            "{tmp}/wrong-width/model.safetensors: model.vision_model.embeddings.patch_embedding.weight is "
+            "(32, 3, 8, 8), but {tmp}/wrong-width/config.json implies (48, 3, 8, 8)"
+        ],
+    ),
+    "serve llm, a model type vlmesh does not serve": (
+        [*VLMESH, "serve", "llm", "--model", "{tmp}/unknown-type", "--port", "0", "--metrics-port", "-1"],
+        [
+            "vlmesh serve llm: error: {tmp}/unknown-type/config.json: model_type 'blip-2' is not one vlmesh serves",
+            "(it serves llava, deepseek_vl, deepseek_vl_hybrid)",
+        ],
+    ),
+    "up, DeepSeek-VL without its SAM weights": (
+        [*VLMESH, "up", "--model", "{tmp}/no-sam", "--device", "cpu"],
+        ["vlmesh up: error: --model: {tmp}/no-sam: vision weights missing from the checkpoint:"],
+    ),
+    "make-tiny-model, unknown family": (
+        [*VLMESH, "make-tiny-model", "--family", "blip", "{tmp}/x"],
+        ["vlmesh make-tiny-model: error: argument --family: invalid choice: 'blip'"],
     ),
     "serve foo": (
         [*VLMESH, "serve", "foo"],

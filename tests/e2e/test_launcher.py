@@ -224,10 +224,14 @@ def test_a_bad_metrics_ports_value_is_named(tiny_model, value):
 
 
 def test_child_start_failure_is_reported(tiny_model, tmp_path):
-    model = tmp_path / "bert"
-    shutil.copytree(tiny_model, model)  # whole files (services/cli.py checks them), but not a LLaVA
-    config = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    """A fault only a child finds (the launcher's checks of files, config and weights pass): the llm
+    cannot build prompts without a chat template."""
+    model = tmp_path / "no-template"
+    shutil.copytree(tiny_model, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
     ports = ["--gateway-port", "0", "--vision-port", "0", "--llm-port", "0", "--metrics-ports", "-1,-1,-1"]
     proc = subprocess.run(
         [*VLMESH, "up", "--model", str(model), *ports],
@@ -238,7 +242,7 @@ def test_child_start_failure_is_reported(tiny_model, tmp_path):
     )
     assert proc.returncode == 1
     assert "process exited with code 2" in proc.stderr
-    assert "expected 'llava'" in proc.stderr
+    assert "the checkpoint has no chat template" in proc.stderr
 
 
 def serve_gateway(*flags: str) -> subprocess.Popen:

@@ -8,7 +8,7 @@ import torch
 
 from services.launcher import Mesh, MeshOptions
 from services.llm.interface import EngineStats
-from tests.helpers import CASES, PROMPTS, Parts, hf_inputs, image_bytes
+from tests.helpers import CASES, PROMPTS, Parts, assert_greedy_under_transformers, image_bytes
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -22,31 +22,6 @@ def exact_fp32():
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def assert_greedy_under_transformers(model_dir, data: bytes, prompt: str, ids: list[int], device: str) -> None:
-    """Teacher-force our tokens through transformers on `device`: each must be its argmax, or
-    within float noise of it. Exact equality across devices is not a fair demand: a random
-    model has near-ties that last-bit differences between CPU and GPU kernels flip."""
-    from transformers import LlavaForConditionalGeneration
-
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir).to(device).eval()
-    inputs = {k: v.to(device) for k, v in hf_inputs(model_dir, data, prompt).items()}
-    with torch.no_grad():
-        # The prompt with its picture, then our tokens on its KV cache: a random model may well
-        # generate the <image> token id, which transformers refuses to see beside pixel_values.
-        prompt_out = model(**inputs, use_cache=True)
-        rest = model(
-            input_ids=torch.tensor([ids[:-1]], device=device), past_key_values=prompt_out.past_key_values
-        ).logits[0]
-        logits = torch.cat([prompt_out.logits[0, -1:], rest]).float()
-    logits[:, model.generation_config.eos_token_id] = float("-inf")  # the request set min_tokens = 16
-    chosen = logits.gather(1, torch.tensor(ids, device=device)[:, None])[:, 0]
-    best = logits.max(-1).values
-    gap = (best - chosen).max().item()
-    assert gap <= 1e-3 * max(1.0, best.abs().max().item()), f"a token was not greedy: logit gap {gap}"
-    exact = logits.argmax(-1).tolist() == ids
-    print(f"{prompt!r}: exact argmax match={exact}, worst gap {gap:.2e}")
 
 
 def run_all(parts, n_tokens: int) -> list[list[int]]:

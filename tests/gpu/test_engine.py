@@ -11,7 +11,19 @@ import torch
 
 from services.common.qos import QosLevel
 from services.llm.request import Finish
-from tests.helpers import CASES, PROMPTS, Parts, hf_inputs, image_bytes, record_decode_rows
+from tests.helpers import (
+    CASES,
+    PROMPTS,
+    Parts,
+    agreement,
+    assert_idle,
+    hf_inputs,
+    hf_model_on_gpu,
+    image_bytes,
+    ours,
+    record_decode_rows,
+    teacher_forced_argmax,
+)
 
 pytestmark = pytest.mark.gpu
 TOKENS = 32
@@ -44,27 +56,8 @@ def bf16_parts(cut_preset):
     parts.engine.stop()
 
 
-def assert_idle(parts) -> None:
-    engine = parts.engine
-    assert engine.stats().running == engine.stats().waiting == 0
-    pages = engine.scheduler.blocks
-    assert pages.free == pages.capacity, f"{pages.capacity - pages.free} KV pages still held"
-
-
-def ours(parts, cases, **sampling) -> list[list[int]]:
-    pairs = [parts.request(data, prompt, max_tokens=TOKENS, min_tokens=TOKENS, **sampling) for data, prompt in cases]
-    parts.run(*pairs)
-    return [box["ids"] for _, box in pairs]
-
-
-def hf_model(model_dir, dtype):
-    from transformers import LlavaForConditionalGeneration
-
-    return LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
-
-
 def test_greedy_tokens_equal_transformers_fp32(fp32_parts, cut_preset):
-    model = hf_model(cut_preset, torch.float32)
+    model = hf_model_on_gpu(cut_preset, torch.float32)
     got = ours(fp32_parts, CASES[:2])
     for (data, prompt), ids in zip(CASES[:2], got, strict=True):
         inputs = {k: v.to("cuda") for k, v in hf_inputs(cut_preset, data, prompt).items()}
@@ -81,7 +74,7 @@ def test_prefix_cache_hits_give_the_tokens_of_a_miss_fp32(fp32_parts, cut_preset
     another question about the same picture (the leading part they share copied, the picture's
     positions with it) decode as transformers does without a cache; and so does a sampled repeat
     (top_p 1e-6 keeps the argmax alone), which computes its prompt's last position as a decode row."""
-    model = hf_model(cut_preset, torch.float32)
+    model = hf_model_on_gpu(cut_preset, torch.float32)
     data = image_bytes(300)
     ask = "Look at the picture closely and tell me, in a few words, what "
     cases = [(data, ask + "shape it is."), (data, ask + "shape it is."), (data, ask + "color it is.")]
@@ -148,28 +141,6 @@ def test_a_request_alone_and_in_a_batch_of_16_give_the_same_tokens_fp32(fp32_par
     assert_idle(fp32_parts)
 
 
-def teacher_forced_argmax(model, model_dir, data: bytes, prompt: str, ids: list[int], ban_eos: bool = False):
-    """transformers' argmax at each of our tokens' positions, given our tokens before it (EOS
-    masked with `ban_eos`, as min_tokens masks it in the engine)."""
-    inputs = {k: v.to("cuda") for k, v in hf_inputs(model_dir, data, prompt).items()}
-    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
-    with torch.no_grad():
-        first = model(**inputs, use_cache=True)
-        logits = first.logits[0, -1:]
-        if len(ids) > 1:
-            rest = model(input_ids=torch.tensor([ids[:-1]], device="cuda"), past_key_values=first.past_key_values)
-            logits = torch.cat([logits, rest.logits[0]])
-    logits = logits.float()
-    if ban_eos:
-        logits[:, model.generation_config.eos_token_id] = float("-inf")
-    return logits.argmax(-1).tolist()
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    pairs = [(x, y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True)]
-    return sum(x == y for x, y in pairs) / len(pairs)
-
-
 def test_bf16_tokens_are_transformers_argmax_on_the_trained_demo_model():
     """A trained model's answers, in bf16: each of our greedy tokens is transformers' bf16 argmax."""
     import numpy as np
@@ -187,7 +158,7 @@ def test_bf16_tokens_are_transformers_argmax_on_the_trained_demo_model():
         got = [box["ids"] for _, box in pairs]
     finally:
         parts.engine.stop()
-    model = hf_model(demo, torch.bfloat16)
+    model = hf_model_on_gpu(demo, torch.bfloat16)
     want = [
         teacher_forced_argmax(model, demo, data, prompt, ids) for (data, prompt), ids in zip(cases, got, strict=True)
     ]
@@ -208,7 +179,7 @@ def test_bf16_tokens_on_random_weights_agree_with_transformers_as_its_own_bf16_d
     got = ours(bf16_parts, CASES)
     forced = {}
     for dtype in (torch.bfloat16, torch.float32):
-        model = hf_model(cut_preset, dtype)
+        model = hf_model_on_gpu(cut_preset, dtype)
         forced[dtype] = [
             teacher_forced_argmax(model, cut_preset, data, prompt, ids, ban_eos=True)
             for (data, prompt), ids in zip(CASES, got, strict=True)
@@ -343,7 +314,7 @@ def test_the_vision_tower_in_cuda_graphs_equals_it_eager_fp32(cut_preset):
     spec = load_spec(cut_preset)
     graphed = VisionEncoder(spec, "cuda", "float32", graphs_up_to=4)
     assert graphed.graphed is not None and graphed.graphed.buckets == [1, 2, 4]
-    pixels = torch.stack([graphed.pixels(image_bytes(300 + i)) for i in range(3)])
+    pixels = [graphed.pixels(image_bytes(300 + i)) for i in range(3)]
     eager = VisionEncoder(spec, "cuda", "float32")
     want = eager.encode(pixels)
     for n in (1, 2, 3):

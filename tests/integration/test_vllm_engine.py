@@ -82,6 +82,13 @@ def test_greedy_tokens_match_transformers(vmesh, tiny_model):
     assert embeds_sent(vmesh) >= 4  # the features went in as prompt_embeds, and were counted
 
 
+def test_deepseek_vl_hybrid_through_vllm_matches_transformers(tiny_deepseek_hybrid):
+    """vLLM runs the decoder, which DeepSeek-VL shares with LLaVA: its towers stay vlmesh's."""
+    with vllm_mesh(tiny_deepseek_hybrid, max_llm_batch=2) as mesh, grpc.insecure_channel(mesh.target("gateway")) as ch:
+        check_against_transformers(gateway_pb2_grpc.GatewayStub(ch), tiny_deepseek_hybrid)
+        assert embeds_sent(mesh) >= 4
+
+
 def test_realtime_overtakes_waiting_best_effort(vmesh):
     """One sequence at a time: a long request runs; two best-effort then one realtime request wait.
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from services.common.errors import InvalidArgument
-from services.model.checkpoint import read_state_dict
+from services.model.checkpoint import check_weights, load_decoder
 from services.model.files import check_checkpoint, check_safetensors
 from services.model.preprocess import decode_image
 from services.model.prompt import load_tokenizer
+from services.model.spec import load_spec
 from tests.helpers import ROOT, image_bytes
 
 DEMO = ROOT / "models" / "demo"
@@ -64,14 +65,15 @@ def test_not_a_safetensors_file(demo_copy):
 def test_the_loader_names_a_truncated_file_instead_of_a_safetensors_error(demo_copy):
     shard, _ = truncated(demo_copy, 7_000_000)
     with pytest.raises(InvalidArgument) as info:
-        read_state_dict(demo_copy, "text", {"embed_tokens.weight", "lm_head.weight", "norm.weight"})
+        load_decoder(load_spec(demo_copy), torch.device("cpu"), torch.float32)
     assert info.value.message.startswith(f"{shard} is truncated")
 
 
 def test_the_loader_reads_a_whole_file(demo_copy):
     (demo_copy / "model.safetensors").symlink_to(DEMO / "model.safetensors")
-    state = read_state_dict(demo_copy, "text", {"norm.weight"})
-    assert isinstance(state["norm.weight"], torch.Tensor)
+    spec = load_spec(demo_copy)
+    check_weights(spec, "text")
+    assert isinstance(load_decoder(spec, torch.device("cpu"), torch.float32).norm.weight, torch.Tensor)
 
 
 def test_a_missing_tokenizer_is_named(demo_copy):

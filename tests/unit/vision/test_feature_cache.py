@@ -11,6 +11,7 @@ import torch
 from services.common import metrics
 from services.handoff.producer import Producer
 from services.handoff.wire import lease_ids
+from services.model.llava import ClipProcessor
 from services.vision.config import kept_slots
 from services.vision.feature_cache import FeatureCache, config_salt
 from tests.helpers import consumer_info, encode_request, image_bytes, vision_reference, vision_service
@@ -42,9 +43,9 @@ class CountingEncoder:
     def __getattr__(self, name):
         return getattr(self._encoder, name)
 
-    def encode(self, pixels):
-        self.images += pixels.shape[0]
-        return self._encoder.encode(pixels)
+    def encode(self, batch):
+        self.images += len(batch)
+        return self._encoder.encode(batch)
 
 
 async def encode(stub, consumer, data: bytes):
@@ -171,7 +172,9 @@ def test_the_key_covers_bytes_model_preprocessing_and_dtype(encoder, producer):
     key = FeatureCache(producer, salt, True).key
     others = [
         config_salt("another/model", encoder.processor, encoder.dtype),
-        config_salt(encoder.spec.model_id, dataclasses.replace(encoder.processor, resample=0), encoder.dtype),
+        config_salt(
+            encoder.spec.model_id, ClipProcessor(dataclasses.replace(encoder.processor.cfg, resample=0)), encoder.dtype
+        ),
         config_salt(encoder.spec.model_id, encoder.processor, torch.bfloat16),
     ]
     data = PICTURES[0]

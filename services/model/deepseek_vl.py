@@ -1,0 +1,386 @@
+"""DeepSeek-VL (`deepseek_vl`: SigLIP alone; `deepseek_vl_hybrid`: SigLIP beside SAM).
+
+The picture is resized so that its long side fits, and padded to a square with the mean colour
+(for the hybrid: to the SAM tower's 1024 px, then that square down to SigLIP's 384 px). SigLIP's
+last hidden state, after its post layer norm, gives one token per patch. The hybrid also runs
+SAM ViT-B: its neck output and the neck'd output of its first global-attention layer (scaled by a
+learned alpha) are downsampled to SigLIP's grid and the aligner fuses both per token.
+
+SigLIP's layers are clip.py's (the same layer, q/k/v fused); SAM's windowed attention with
+relative positions is transformers' own SamVisionLayer (its SDPA path), run layer by layer here
+so that the global layer's output is kept without recording every hidden state.
+Shapes: B pictures, T = (384/16)^2 tokens, D = SigLIP width, C = SAM neck channels, H = text width.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import nn
+
+from services.common.errors import InvalidArgument
+from services.model.clip import VisionEncoder as VitLayers
+from services.model.family import LayerFn, run_layer
+from services.model.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, image_processor_json, normalize
+from services.model.spec import ModelSpec, VisionSpec, text_spec
+
+PLACEHOLDER = "<image_placeholder>"
+
+
+@dataclass(frozen=True)
+class DeepseekVision:
+    low: VisionSpec  # SigLIP
+    high: object | None  # the hybrid's SamVisionConfig (transformers'), None for deepseek_vl
+    text_hidden: int
+
+    @property
+    def hybrid(self) -> bool:
+        return self.high is not None
+
+
+# --- preprocessing ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """One tower input: resize the long side to `side`, pad to a square of `background`, normalise."""
+
+    side: int
+    resample: int
+    background: tuple[int, int, int]
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+
+def _side(size: object, where: str) -> int:
+    if isinstance(size, int):
+        return size
+    if isinstance(size, dict) and size.get("height") == size.get("width") and isinstance(size.get("height"), int):
+        return size["height"]
+    raise InvalidArgument(f"{where}: the size must be a square (height == width), not {size!r}")
+
+
+class DeepseekProcessor:
+    """DeepseekVL(Hybrid)ImageProcessor: resize the long side, pad to a square (uint8, Pillow),
+    then rescale and normalise where the tower runs."""
+
+    def __init__(self, model_dir: Path, hybrid: bool, low_side: int, high_side: int | None) -> None:
+        path, raw = image_processor_json(model_dir)
+        if not raw.get("do_resize", True) or not raw.get("do_pad", True):
+            raise InvalidArgument(f"{path}: do_resize and do_pad must be true (the towers take fixed squares)")
+        self.min_size = int(raw.get("min_size", 14))
+        # transformers' rule for the pad colour: the hybrid's from a configured mean, else grey;
+        # the SigLIP-only one's from its mean, whose default is CLIP's.
+        mean = tuple(raw.get("image_mean", OPENAI_CLIP_MEAN))
+        grey = (127, 127, 127)
+        self.low = Resolution(
+            side=_side(raw.get("size", {"height": low_side, "width": low_side}), str(path)),
+            resample=int(raw.get("resample", Image.Resampling.BICUBIC)),
+            background=grey if hybrid and "image_mean" not in raw else tuple(int(x * 255) for x in mean),
+            do_rescale=raw.get("do_rescale", True),
+            rescale_factor=raw.get("rescale_factor", 1 / 255),
+            do_normalize=raw.get("do_normalize", True),
+            mean=mean,
+            std=tuple(raw.get("image_std", OPENAI_CLIP_STD)),
+        )
+        if self.low.side != low_side:
+            raise InvalidArgument(f"{path}: size {self.low.side} differs from the SigLIP tower's image_size {low_side}")
+        self.high: Resolution | None = None
+        if hybrid:
+            high_mean = tuple(raw.get("high_res_image_mean", OPENAI_CLIP_MEAN))
+            self.high = Resolution(
+                side=_side(raw.get("high_res_size", {"height": high_side, "width": high_side}), str(path)),
+                resample=int(raw.get("high_res_resample", Image.Resampling.BICUBIC)),
+                background=tuple(int(x * 255) for x in high_mean) if "high_res_image_mean" in raw else grey,
+                do_rescale=self.low.do_rescale,
+                rescale_factor=self.low.rescale_factor,
+                do_normalize=self.low.do_normalize,
+                mean=high_mean,
+                std=tuple(raw.get("high_res_image_std", OPENAI_CLIP_STD)),
+            )
+            if self.high.side != high_side:
+                raise InvalidArgument(
+                    f"{path}: high_res_size {self.high.side} differs from the SAM tower's image_size {high_side}"
+                )
+
+    def _square(self, img: Image.Image, res: Resolution) -> Image.Image:
+        """Long side to `res.side` (short side at least min_size), centred on a square of the pad colour."""
+        scale = res.side / max(img.width, img.height)
+        w, h = max(round(img.width * scale), self.min_size), max(round(img.height * scale), self.min_size)
+        img = img.resize((w, h), resample=res.resample)
+        if w == h:
+            return img
+        side = max(w, h)
+        square = Image.new("RGB", (side, side), res.background)
+        square.paste(img, ((side - w) // 2, (side - h) // 2))
+        return square
+
+    def pixels(self, img: Image.Image, name: str) -> tuple[torch.Tensor, ...]:
+        """-> (SigLIP's [S, S, 3] uint8,) and, for the hybrid, SAM's [S', S', 3] after it."""
+        if img.mode != "RGB":
+            img = img.convert("RGB")
+        if self.high is None:
+            return (_tensor(self._square(img, self.low)),)
+        high = self._square(img, self.high)
+        low = self._square(high, self.low)  # transformers resizes the padded high-res square
+        return _tensor(low), _tensor(high)
+
+    def normalize(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        resolutions = [self.low] if self.high is None else [self.low, self.high]
+        return tuple(normalize(px, res) for px, res in zip(batch, resolutions, strict=True))
+
+    def salt(self) -> tuple:
+        return (self.min_size, self.low, self.high)
+
+
+def _tensor(img: Image.Image) -> torch.Tensor:
+    return torch.from_numpy(np.array(img, dtype=np.uint8, order="C"))  # [S, S, 3], writable
+
+
+# --- towers ----------------------------------------------------------------------------------
+
+
+class SiglipEmbeddings(nn.Module):
+    def __init__(self, s: VisionSpec) -> None:
+        super().__init__()
+        self.patch_embedding = nn.Conv2d(3, s.hidden, s.patch_size, s.patch_size)
+        self.position_embedding = nn.Embedding(s.patches, s.hidden)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        # pixels [B, 3, S, S] -> [B, T, D]
+        patches = self.patch_embedding(pixels).flatten(2).transpose(1, 2)
+        return patches + self.position_embedding.weight
+
+
+class SiglipTower(nn.Module):
+    """SigLIP's ViT up to its post layer norm (the pooling head is not used)."""
+
+    def __init__(self, s: VisionSpec) -> None:
+        super().__init__()
+        self.embeddings = SiglipEmbeddings(s)
+        self.encoder = VitLayers(s)
+        self.post_layernorm = nn.LayerNorm(s.hidden, eps=s.eps)
+
+    def forward(self, pixels: torch.Tensor, run_layer: LayerFn) -> torch.Tensor:
+        x = self.embeddings(pixels)  # [B, T, D]
+        for layer in self.encoder.layers:
+            x = run_layer(layer, x)
+        return self.post_layernorm(x)
+
+
+class SamTower(nn.Module):
+    """SAM's image encoder: patches, absolute positions, windowed and global layers, neck."""
+
+    def __init__(self, config) -> None:
+        from transformers.models.sam.modeling_sam import SamPatchEmbeddings, SamVisionLayer, SamVisionNeck
+
+        super().__init__()
+        grid = config.image_size // config.patch_size
+        self.patch_embed = SamPatchEmbeddings(config)
+        self.pos_embed = nn.Parameter(torch.zeros(1, grid, grid, config.hidden_size))
+        self.layers = nn.ModuleList(
+            SamVisionLayer(config, window_size=0 if i in config.global_attn_indexes else config.window_size)
+            for i in range(config.num_hidden_layers)
+        )
+        self.neck = SamVisionNeck(config)
+
+
+class SamDownsample(nn.Module):
+    """Neck output [B, C, G, G] -> [B, 4C, o, o]: bilinear to 4o, then two stride-2 convolutions."""
+
+    def __init__(self, channels: int, out_side: int) -> None:
+        super().__init__()
+        self.out_side = out_side
+        self.conv1 = nn.Conv2d(channels, channels * 2, 3, stride=2, padding=1, bias=False)
+        self.conv2 = nn.Conv2d(channels * 2, channels * 4, 3, stride=2, padding=1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = 4 * self.out_side
+        x = F.interpolate(x, size=(side, side), mode="bilinear", align_corners=False)
+        return self.conv2(self.conv1(x))
+
+
+class Aligner(nn.Module):
+    """deepseek_vl: SigLIP tokens [B, T, D] -> [B, T, H] by a 2-layer MLP (exact GELU)."""
+
+    def __init__(self, vision: DeepseekVision) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(vision.low.hidden, vision.text_hidden)
+        self.linear2 = nn.Linear(vision.text_hidden, vision.text_hidden)
+
+    def forward(self, low: torch.Tensor) -> torch.Tensor:
+        return self.linear2(F.gelu(self.linear1(low)))
+
+
+class HybridAligner(nn.Module):
+    """deepseek_vl_hybrid: each tower to H/2, concatenated (SAM's first), GELU, then H -> H."""
+
+    def __init__(self, vision: DeepseekVision) -> None:
+        super().__init__()
+        half = vision.text_hidden // 2
+        self.vision_proj = nn.Linear(vision.low.hidden, half)
+        self.high_res_vision_proj = nn.Linear(vision.high.output_channels * 4, half)  # type: ignore[union-attr]
+        self.proj = nn.Linear(vision.text_hidden, vision.text_hidden)
+
+    def forward(self, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([self.high_res_vision_proj(high), self.vision_proj(low)], dim=-1)  # [B, T, H]
+        return self.proj(F.gelu(x))
+
+
+class DeepseekTower(nn.Module):
+    """pixels (SigLIP's [B, 3, 384, 384] and, hybrid, SAM's [B, 3, 1024, 1024]) -> [B, T, H]."""
+
+    def __init__(self, vision: DeepseekVision) -> None:
+        from transformers.models.sam.modeling_sam import SamVisionNeck
+
+        super().__init__()
+        self.sides = [vision.low.image_size]
+        self.vision_model = SiglipTower(vision.low)
+        if vision.hybrid:
+            high = vision.high
+            self.sides.append(high.image_size)  # type: ignore[union-attr]
+            self.global_index = high.global_attn_indexes[0]  # type: ignore[union-attr]
+            self.high_res_vision_model = SamTower(high)
+            self.high_res_vision_neck = SamVisionNeck(high)
+            out_side = vision.low.image_size // vision.low.patch_size
+            self.high_res_vision_proj = SamDownsample(high.output_channels, out_side)  # type: ignore[union-attr]
+            self.high_res_vision_alpha = nn.Parameter(torch.zeros(1))
+            self.aligner: nn.Module = HybridAligner(vision)
+        else:
+            self.aligner = Aligner(vision)
+
+    def input_shapes(self) -> list[tuple[int, ...]]:
+        return [(3, side, side) for side in self.sides]
+
+    def _high_res(self, pixels: torch.Tensor, run_layer: LayerFn) -> torch.Tensor:
+        sam = self.high_res_vision_model
+        x = sam.patch_embed(pixels) + sam.pos_embed  # [B, G, G, Dsam]
+        kept = x
+        for i, layer in enumerate(sam.layers):
+            x = run_layer(layer, x)
+            if i == self.global_index:
+                kept = x
+        out = self.high_res_vision_proj(sam.neck(x))  # [B, 4C, o, o]
+        out = out + self.high_res_vision_proj(self.high_res_vision_neck(kept)) * self.high_res_vision_alpha
+        return out.flatten(2).transpose(1, 2)  # [B, T, 4C]
+
+    def forward(self, *pixels: torch.Tensor, run_layer: LayerFn = run_layer) -> torch.Tensor:
+        low = self.vision_model(pixels[0], run_layer)  # [B, T, D]
+        if len(self.sides) == 1:
+            return self.aligner(low)
+        return self.aligner(low, self._high_res(pixels[1], run_layer))
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        for layer in self.vision_model.encoder.layers:
+            layer.self_attn.fuse()
+
+
+# --- the family ------------------------------------------------------------------------------
+
+# transformers 5.x saves `model.vision_model.*` and `model.high_res_vision_model.vision_encoder.*`;
+# the hub's converted checkpoints nest SigLIP once more (`model.vision_model.vision_model.*`).
+_VISION_KEYS = [
+    (re.compile(r"^(?:model\.)?vision_model\.(?:vision_model\.)?(.*)$"), r"vision_model.\1"),
+    (re.compile(r"^(?:model\.)?high_res_vision_model\.(?:vision_encoder\.)?(.*)$"), r"high_res_vision_model.\1"),
+    (re.compile(r"^(?:model\.)?((?:high_res_vision_neck|high_res_vision_proj|aligner)\..*)$"), r"\1"),
+    (re.compile(r"^(?:model\.)?(high_res_vision_alpha)$"), r"\1"),
+]
+
+
+def _siglip_spec(vc, where: str) -> VisionSpec:
+    if vc.model_type != "siglip_vision_model":
+        raise InvalidArgument(f"{where}: vision_config.model_type {vc.model_type!r} is not supported (SigLIP)")
+    if vc.image_size % vc.patch_size:
+        raise InvalidArgument(f"{where}: vision_config.image_size {vc.image_size} is not a multiple of its patch_size")
+    return VisionSpec(
+        hidden=vc.hidden_size,
+        intermediate=vc.intermediate_size,
+        layers=vc.num_hidden_layers,
+        heads=vc.num_attention_heads,
+        image_size=vc.image_size,
+        patch_size=vc.patch_size,
+        act=vc.hidden_act,
+        eps=vc.layer_norm_eps,
+        layers_used=vc.num_hidden_layers,
+        keep_cls=False,
+    )
+
+
+def _check_sam(hc, where: str) -> None:
+    if hc.model_type != "sam_vision_model":
+        raise InvalidArgument(f"{where}: high_res_vision_config.model_type {hc.model_type!r} is not supported (SAM)")
+    if not hc.global_attn_indexes or not 0 <= hc.global_attn_indexes[0] < hc.num_hidden_layers:
+        raise InvalidArgument(f"{where}: high_res_vision_config.global_attn_indexes {hc.global_attn_indexes!r}")
+    hc._attn_implementation = "sdpa"  # SamVisionLayer picks its attention class by this
+
+
+class DeepseekVL:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.model_types = (name,)
+        self.hybrid = name == "deepseek_vl_hybrid"
+
+    def read_spec(self, path: Path, cfg: object, model_id: str) -> ModelSpec:
+        where = f"{path}/config.json"
+        low = _siglip_spec(cfg.vision_config, where)  # type: ignore[attr-defined]
+        high = None
+        if self.hybrid:
+            high = cfg.high_res_vision_config  # type: ignore[attr-defined]
+            _check_sam(high, where)
+        text = text_spec(path, cfg)
+        if self.hybrid and text.hidden % 2:
+            raise InvalidArgument(f"{where}: text_config.hidden_size {text.hidden} must be even (the hybrid aligner)")
+        return ModelSpec(
+            model_dir=path,
+            model_id=model_id,
+            family=self.name,
+            text=text,
+            image_token_id=cfg.image_token_id,  # type: ignore[attr-defined]
+            placeholder=PLACEHOLDER,
+            image_tokens=low.patches,
+            vision=DeepseekVision(low=low, high=high, text_hidden=text.hidden),
+            hf_config=cfg,
+        )
+
+    def vision_key(self, key: str) -> str | None:
+        for pattern, repl in _VISION_KEYS:
+            if pattern.match(key):
+                return pattern.sub(repl, key)
+        return None
+
+    def build_tower(self, spec: ModelSpec) -> nn.Module:
+        return DeepseekTower(spec.vision)  # type: ignore[arg-type]
+
+    def prepare_tower(self, tower: nn.Module) -> None:
+        tower.fuse_projections()  # type: ignore[operator]
+
+    def image_processor(self, spec: ModelSpec) -> DeepseekProcessor:
+        v: DeepseekVision = spec.vision  # type: ignore[assignment]
+        return DeepseekProcessor(
+            spec.model_dir, self.hybrid, v.low.image_size, v.high.image_size if v.high is not None else None
+        )
+
+    def write_tiny(self, out_dir: Path, seed: int) -> Path:
+        from services.model.tiny import build_tiny_deepseek
+
+        return build_tiny_deepseek(out_dir, hybrid=self.hybrid, seed=seed)
+
+    def write_preset(self, out_dir: Path, name: str) -> None:
+        from services.model.tiny import write_deepseek_preset
+
+        write_deepseek_preset(out_dir, name, hybrid=self.hybrid)
+
+
+DEEPSEEK_VL = DeepseekVL("deepseek_vl")
+DEEPSEEK_VL_HYBRID = DeepseekVL("deepseek_vl_hybrid")
