@@ -82,4 +82,5 @@ def check_checkpoint(model_dir: str | Path, weights: bool = True, tokenizer: boo
 
         if not is_random(path):
             for shard in weight_files(path):
-                check_safetensors(shard)
+                if shard.is_file():  # a pipe or a device is read once, by the service: not here
+                    check_safetensors(shard)
