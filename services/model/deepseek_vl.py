@@ -6,9 +6,10 @@ last hidden state, after its post layer norm, gives one token per patch. The hyb
 SAM ViT-B: its neck output and the neck'd output of its first global-attention layer (scaled by a
 learned alpha) are downsampled to SigLIP's grid and the aligner fuses both per token.
 
-SigLIP's layers are clip.py's (the same layer, q/k/v fused); SAM's windowed attention with
-relative positions is transformers' own SamVisionLayer (its SDPA path), run layer by layer here
-so that the global layer's output is kept without recording every hidden state.
+SigLIP's layers are clip.py's (the same layer, q/k/v fused); SAM's layers are transformers' own
+SamVisionLayer (window partition, MLP) around our SamAttention (relative positions without a
+mask), run layer by layer here so that the global layer's output is kept without recording
+every hidden state.
 Shapes: B pictures, T = (384/16)^2 tokens, D = SigLIP width, C = SAM neck channels, H = text width.
 """
 
@@ -178,8 +179,57 @@ class SiglipTower(nn.Module):
         return self.post_layernorm(x)
 
 
+class SamAttention(nn.Module):
+    """SAM's attention with decomposed relative positions, without an attention mask.
+
+    The bias of query (qh, qw) for key (kh, kw) is q·Rh[qh, kh] + q·Rw[qw, kw]. transformers
+    writes it out as a dense [heads, N, N] mask (400 MB a picture for a 64x64 global layer) that
+    SDPA then reads. Here it rides in the dot product instead: q gains the rows q·Rh[qh] and
+    q·Rw[qw] (over the softmax scale), k the one-hot of its row and column, so a flash kernel
+    computes scale * q·k + bias with no mask. v is zero-padded to q's width (flash kernels want
+    equal widths) and the padding dropped after. Parameters as transformers' (qkv, proj, rel_pos_h/w).
+    """
+
+    def __init__(self, config, window_size: int) -> None:
+        super().__init__()
+        side = window_size or config.image_size // config.patch_size
+        self.heads = config.num_attention_heads
+        head_dim = config.hidden_size // self.heads
+        self.scale = head_dim**-0.5
+        self.qkv = nn.Linear(config.hidden_size, config.hidden_size * 3, bias=config.qkv_bias)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.rel_pos_h = nn.Parameter(torch.zeros(2 * side - 1, head_dim))
+        self.rel_pos_w = nn.Parameter(torch.zeros(2 * side - 1, head_dim))
+
+    @staticmethod
+    def _table(rel_pos: torch.Tensor, side: int) -> torch.Tensor:
+        """[2*side - 1, C] -> R[q, k, C] = rel_pos[q - k + side - 1] (the table is made for this side)."""
+        idx = torch.arange(side, device=rel_pos.device)
+        return rel_pos[idx[:, None] - idx[None, :] + side - 1]
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+        x = hidden_states  # [B, H, W, D]: windows, or the whole grid for a global layer
+        b, h, w, _ = x.shape
+        q, k, v = self.qkv(x).view(b, h, w, 3, self.heads, -1).permute(3, 0, 4, 1, 2, 5).unbind(0)  # [B, nh, H, W, C]
+        rel_h = torch.einsum("bnhwc,hkc->bnhwk", q, self._table(self.rel_pos_h, h))  # [B, nh, H, W, H]
+        rel_w = torch.einsum("bnhwc,wkc->bnhwk", q, self._table(self.rel_pos_w, w))  # [B, nh, H, W, W]
+        rows = torch.eye(h, dtype=k.dtype, device=k.device)[:, None, :].expand(h, w, h)  # key (kh, kw) -> one-hot kh
+        cols = torch.eye(w, dtype=k.dtype, device=k.device)[None, :, :].expand(h, w, w)  # -> one-hot kw
+        q = torch.cat([q, rel_h / self.scale, rel_w / self.scale], dim=-1).flatten(2, 3)  # [B, nh, N, C + H + W]
+        k = torch.cat([k, rows.expand(b, self.heads, h, w, h), cols.expand(b, self.heads, h, w, w)], dim=-1)
+        width = q.shape[-1]
+        pad = (-width) % 8  # kernels want widths that are multiples of 8
+        q, k = F.pad(q, (0, pad)), F.pad(k.flatten(2, 3), (0, pad))
+        v = F.pad(v.flatten(2, 3), (0, width + pad - v.shape[-1]))
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.scale)[..., : x.shape[-1] // self.heads]
+        out = out.view(b, self.heads, h, w, -1).permute(0, 2, 3, 1, 4).reshape(b, h, w, -1)
+        return self.proj(out), None
+
+
 class SamTower(nn.Module):
-    """SAM's image encoder: patches, absolute positions, windowed and global layers, neck."""
+    """SAM's image encoder: patches, absolute positions, windowed and global layers, neck.
+
+    transformers' SamVisionLayer (window partition, MLP, norms) with our SamAttention in it."""
 
     def __init__(self, config) -> None:
         from transformers.models.sam.modeling_sam import SamPatchEmbeddings, SamVisionLayer, SamVisionNeck
@@ -188,10 +238,12 @@ class SamTower(nn.Module):
         grid = config.image_size // config.patch_size
         self.patch_embed = SamPatchEmbeddings(config)
         self.pos_embed = nn.Parameter(torch.zeros(1, grid, grid, config.hidden_size))
-        self.layers = nn.ModuleList(
-            SamVisionLayer(config, window_size=0 if i in config.global_attn_indexes else config.window_size)
-            for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList()
+        for i in range(config.num_hidden_layers):
+            window = 0 if i in config.global_attn_indexes else config.window_size
+            layer = SamVisionLayer(config, window_size=window)
+            layer.attn = SamAttention(config, window)
+            self.layers.append(layer)
         self.neck = SamVisionNeck(config)
 
 
