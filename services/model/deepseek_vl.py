@@ -355,18 +355,7 @@ def _siglip_spec(vc, where: str) -> VisionSpec:
         raise InvalidArgument(f"{where}: vision_config.model_type {vc.model_type!r} is not supported (SigLIP)")
     if vc.image_size % vc.patch_size:
         raise InvalidArgument(f"{where}: vision_config.image_size {vc.image_size} is not a multiple of its patch_size")
-    return VisionSpec(
-        hidden=vc.hidden_size,
-        intermediate=vc.intermediate_size,
-        layers=vc.num_hidden_layers,
-        heads=vc.num_attention_heads,
-        image_size=vc.image_size,
-        patch_size=vc.patch_size,
-        act=vc.hidden_act,
-        eps=vc.layer_norm_eps,
-        layers_used=vc.num_hidden_layers,
-        keep_cls=False,
-    )
+    return VisionSpec.from_hf(vc, layers_used=vc.num_hidden_layers, keep_cls=False)
 
 
 def _check_sam(hc, where: str) -> None:

@@ -70,18 +70,7 @@ class Llava:
         strategy = cfg.vision_feature_select_strategy  # type: ignore[attr-defined]
         if strategy not in ("default", "full"):
             raise InvalidArgument(f"{where}: vision_feature_select_strategy={strategy!r}")
-        vit = VisionSpec(
-            hidden=vc.hidden_size,
-            intermediate=vc.intermediate_size,
-            layers=vc.num_hidden_layers,
-            heads=vc.num_attention_heads,
-            image_size=vc.image_size,
-            patch_size=vc.patch_size,
-            act=vc.hidden_act,
-            eps=vc.layer_norm_eps,
-            layers_used=layers_used,
-            keep_cls=strategy == "full",
-        )
+        vit = VisionSpec.from_hf(vc, layers_used, keep_cls=strategy == "full")
         return ModelSpec(
             model_dir=path,
             model_id=model_id,

@@ -30,6 +30,22 @@ class VisionSpec:
     # Keep the CLS token ("full") or drop it ("default"); SigLIP has none.
     keep_cls: bool
 
+    @classmethod
+    def from_hf(cls, vc: object, layers_used: int, keep_cls: bool) -> VisionSpec:
+        """From a transformers CLIP or SigLIP vision config."""
+        return cls(
+            hidden=vc.hidden_size,  # type: ignore[attr-defined]
+            intermediate=vc.intermediate_size,  # type: ignore[attr-defined]
+            layers=vc.num_hidden_layers,  # type: ignore[attr-defined]
+            heads=vc.num_attention_heads,  # type: ignore[attr-defined]
+            image_size=vc.image_size,  # type: ignore[attr-defined]
+            patch_size=vc.patch_size,  # type: ignore[attr-defined]
+            act=vc.hidden_act,  # type: ignore[attr-defined]
+            eps=vc.layer_norm_eps,  # type: ignore[attr-defined]
+            layers_used=layers_used,
+            keep_cls=keep_cls,
+        )
+
     @property
     def patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2

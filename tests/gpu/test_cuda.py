@@ -50,7 +50,10 @@ def test_cuda_engine_bf16_runs(tiny_model):
         gpu.engine.stop()
 
 
-def test_mesh_on_gpu_matches_transformers(tiny_model):
+@pytest.mark.parametrize("model", ["tiny_model", "tiny_deepseek_hybrid", "tiny_deepseek"])
+def test_mesh_on_gpu_matches_transformers(model, request):
+    """LLaVA and both DeepSeek-VL types: every token the whole mesh gives in fp32 is transformers' argmax."""
+    tiny_model = request.getfixturevalue(model)
     opts = MeshOptions.from_flags(
         model=str(tiny_model),
         gateway_port=0,

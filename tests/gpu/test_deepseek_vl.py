@@ -1,20 +1,17 @@
-"""DeepSeek-VL on the GPU: the tiny checkpoints through the whole mesh in fp32, and the
-7B-shaped preset cut to 2 decoder layers and 3 layers per tower (SigLIP at 384 px, SAM at
+"""DeepSeek-VL on the GPU (its tiny checkpoints through the whole mesh: tests/gpu/test_cuda.py):
+the 7B-shaped preset cut to 2 decoder layers and 3 layers per tower (SigLIP at 384 px, SAM at
 1024 px; weights saved by transformers) against transformers, in fp32 and in bf16, with both
 towers captured in CUDA graphs."""
 
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
 
-from services.launcher import Mesh, MeshOptions
 from tests.helpers import (
     CASES,
     Parts,
     agreement,
-    assert_greedy_under_transformers,
     assert_idle,
     hf_inputs,
     hf_model_on_gpu,
@@ -22,8 +19,6 @@ from tests.helpers import (
     ours,
     teacher_forced_argmax,
 )
-from vlmesh.v1 import common_pb2 as pb
-from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 pytestmark = pytest.mark.gpu
 
@@ -42,35 +37,6 @@ def exact_fp32():
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
-
-
-@pytest.mark.parametrize("model", ["tiny_deepseek_hybrid", "tiny_deepseek"])
-def test_the_mesh_on_gpu_gives_transformers_greedy_tokens_fp32(model, request, exact_fp32):
-    model_dir = request.getfixturevalue(model)
-    opts = MeshOptions.from_flags(
-        model=str(model_dir),
-        gateway_port=0,
-        vision_port=0,
-        llm_port=0,
-        device="cuda",
-        dtype="float32",
-        warmup_requests=1,
-        log_level="warning",
-        extra_env={"NVIDIA_TF32_OVERRIDE": "0"},
-    )
-    with Mesh(opts) as mesh:
-        mesh.start(progress=lambda m: None)
-        with grpc.insecure_channel(mesh.target("gateway")) as channel:
-            stub = gateway_pb2_grpc.GatewayStub(channel)
-            for data, prompt in CASES:
-                req = gateway_pb2.GenerateRequest(
-                    images=[pb.Image(data=data)],
-                    prompt=prompt,
-                    sampling=pb.SamplingParams(max_tokens=16, min_tokens=16),
-                )
-                result = stub.GenerateUnary(req, timeout=120)
-                assert len(result.token_ids) == 16
-                assert_greedy_under_transformers(model_dir, data, prompt, list(result.token_ids), "cuda")
 
 
 def test_the_cut_preset_gives_transformers_greedy_tokens_fp32(cut_deepseek, exact_fp32):
