@@ -207,3 +207,19 @@ def test_mesh_flags_are_checked_as_vlmesh_up_flags_before_anything_starts(capsys
     with pytest.raises(SystemExit):
         parse_args(parser, ["--model", "m", "--gateway", "h:1", "--mesh-flags", "--kv-page-size 64"])
     assert "not with --gateway" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["tiny_model", "tiny_deepseek_hybrid"])
+def test_the_transformers_target_runs_every_family(model, request):
+    """`--target hf`: transformers' own model class of the family, fed the family's pixels by
+    transformers' names, generates the forced number of tokens."""
+    from services.bench.targets import HfTarget
+    from services.bench.workloads import BenchRequest
+    from services.common.qos import QosLevel
+    from tests.helpers import image_bytes
+
+    target = HfTarget(str(request.getfixturevalue(model)), "cpu")
+    req = BenchRequest(0, image_bytes(3, (120, 80), "JPEG"), 0, "What is in the image?", 6, QosLevel.STANDARD)
+    outcome = asyncio.run(target.send(req))
+    assert (outcome.status, outcome.output_tokens) == ("OK", 6)
+    assert outcome.ttft_s is not None and 0 < outcome.ttft_s <= outcome.e2e_s
