@@ -244,13 +244,16 @@ def hf_processor(model_dir):
     return cls(images, tok, chat_template=tok.chat_template, num_image_tokens=tokens)
 
 
-def hf_inputs(model_dir, data: bytes, prompt: str):
-    """transformers' own processor on the same bytes: input_ids and pixel values."""
+def hf_inputs(model_dir, data: bytes | list[bytes], prompt: str):
+    """transformers' own processor on the same bytes (one picture or several, before the text):
+    input_ids and pixel values."""
+    pictures = [data] if isinstance(data, bytes) else data
     proc = hf_processor(model_dir)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-    text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": prompt}]
+    text = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
     kwargs = {"add_special_tokens": not text.startswith(proc.tokenizer.bos_token)}  # as apply_chat_template does
-    return proc(images=Image.open(io.BytesIO(data)).convert("RGB"), text=text, return_tensors="pt", **kwargs)
+    images = [Image.open(io.BytesIO(d)).convert("RGB") for d in pictures]
+    return proc(images=images if len(images) > 1 else images[0], text=text, return_tensors="pt", **kwargs)
 
 
 def hf_model(model_dir, **kwargs):
@@ -269,7 +272,7 @@ def hf_model(model_dir, **kwargs):
     return classes[_model_type(model_dir)].from_pretrained(model_dir, **kwargs).eval()
 
 
-def hf_greedy(model_dir, data: bytes, prompt: str, n: int) -> list[int]:
+def hf_greedy(model_dir, data: bytes | list[bytes], prompt: str, n: int) -> list[int]:
     """transformers' own generate for the checkpoint's family: n greedy tokens after the prompt."""
     import torch
 
@@ -303,6 +306,26 @@ def check_against_transformers(stub, tiny_model) -> None:
     # The image matters: the same prompt on different pictures gives different tokens,
     # so the comparison above would catch features that are lost or mixed up.
     assert ours[0] != ours[3]
+
+
+def check_pictures_against_transformers(stub, model_dir) -> None:
+    """Two and three pictures of different sizes in one request (the gateway's --max-images at
+    least 3): 12 greedy tokens equal transformers' on the same pictures, and their order matters."""
+    pictures = [image_bytes(5, (60, 40)), image_bytes(6, (30, 90), "JPEG"), image_bytes(7, (128, 128))]
+    got = {}
+    for order in ((0, 1), (1, 0), (0, 1, 2)):
+        data = [pictures[i] for i in order]
+        req = gateway_pb2.GenerateRequest(
+            images=[pb.Image(data=d) for d in data],
+            prompt="Compare the pictures.",
+            sampling=pb.SamplingParams(max_tokens=12, min_tokens=12),
+        )
+        result = stub.GenerateUnary(req, timeout=120)
+        want = hf_greedy(model_dir, data, "Compare the pictures.", 12)
+        assert list(result.token_ids) == want, f"pictures {order}: mesh {list(result.token_ids)} != {want}"
+        assert result.usage.image_tokens == 16 * len(order)
+        got[order] = want
+    assert got[(0, 1)] != got[(1, 0)]  # each picture's features sit where its placeholder is
 
 
 # --- the llm engine in-process -------------------------------------------------------------

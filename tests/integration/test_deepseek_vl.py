@@ -12,7 +12,15 @@ import openai
 import pytest
 
 from services.launcher import Mesh
-from tests.helpers import CASES, check_against_transformers, image_bytes, mesh_options, sample, scrape
+from tests.helpers import (
+    CASES,
+    check_against_transformers,
+    check_pictures_against_transformers,
+    image_bytes,
+    mesh_options,
+    sample,
+    scrape,
+)
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -21,7 +29,7 @@ from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 def served(request):
     """(mesh, checkpoint) for each DeepSeek-VL model type, with the HTTP door open."""
     model = request.getfixturevalue(request.param)
-    with Mesh(mesh_options(model, http_port=0, feature_cache_mib=4)) as running:
+    with Mesh(mesh_options(model, http_port=0, feature_cache_mib=4, max_images=3)) as running:
         running.start(progress=lambda m: None)
         yield running, model
 
@@ -37,6 +45,12 @@ def test_greedy_tokens_match_transformers(served):
     mesh, model = served
     with grpc.insecure_channel(mesh.target("gateway")) as channel:
         check_against_transformers(gateway_pb2_grpc.GatewayStub(channel), model)
+
+
+def test_several_pictures_in_one_request_match_transformers(served):
+    mesh, model = served
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:
+        check_pictures_against_transformers(gateway_pb2_grpc.GatewayStub(channel), model)
 
 
 def test_a_repeated_picture_hits_both_caches_and_answers_as_the_miss(served):
