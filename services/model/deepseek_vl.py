@@ -363,7 +363,9 @@ def _check_sam(hc, where: str) -> None:
         raise InvalidArgument(f"{where}: high_res_vision_config.model_type {hc.model_type!r} is not supported (SAM)")
     if not hc.global_attn_indexes or not 0 <= hc.global_attn_indexes[0] < hc.num_hidden_layers:
         raise InvalidArgument(f"{where}: high_res_vision_config.global_attn_indexes {hc.global_attn_indexes!r}")
-    hc._attn_implementation = "sdpa"  # SamVisionLayer picks its attention class by this
+    if not (hc.use_abs_pos and hc.use_rel_pos):
+        raise InvalidArgument(f"{where}: high_res_vision_config: use_abs_pos and use_rel_pos must both be true")
+    hc._attn_implementation = "sdpa"  # SamVisionLayer builds an attention by this name (SamAttention replaces it)
 
 
 class DeepseekVL:

@@ -6,8 +6,8 @@ checkpoints and production-shaped presets. Past the projector nothing branches o
 family's decoder is the Llama-like one in llama.py, and the llm, the hand-off, the caches,
 QoS and tracing see only `ModelSpec.image_tokens` features of `text.hidden` per image.
 
-Adding a family is one module that implements `Family` plus its entry in `_FAMILIES`
-(docs/DESIGN.md, "Model families").
+Adding a family is one module that implements `Family` plus its entry in `_families()` and
+`FAMILY_NAMES` (docs/DESIGN.md, "Model families").
 """
 
 from __future__ import annotations
@@ -84,11 +84,11 @@ class Family(Protocol):
         ...
 
     def prepare_tower(self, tower: nn.Module) -> None:
-        """After loading: fuse what the checkpoint keeps apart (q/k/v), check what it must hold."""
+        """After loading: fuse what the checkpoint keeps apart (q/k/v) as the forward needs."""
         ...
 
     def image_processor(self, spec: ModelSpec) -> ImageProcessor:
-        """The preprocessing preprocessor_config.json describes."""
+        """The preprocessing the checkpoint's image processor settings describe."""
         ...
 
     def write_tiny(self, out_dir: Path, seed: int) -> Path:
