@@ -546,3 +546,20 @@ def teacher_forced_argmax(model, model_dir, data: bytes, prompt: str, ids: list[
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     pairs = [(x, y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True)]
     return sum(x == y for x, y in pairs) / len(pairs)
+
+
+def bf16_agreement(model_dir, cases, got: list[list[int]]) -> tuple[float, float, float]:
+    """Our bf16 tokens teacher-forced through transformers in bf16 and in fp32 (EOS banned, as
+    min_tokens bans it): (ours = its bf16, its bf16 = its fp32, ours = its fp32) argmax agreement."""
+    import torch
+
+    forced = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        model = hf_model_on_gpu(model_dir, dtype)
+        forced[dtype] = [
+            teacher_forced_argmax(model, model_dir, data, prompt, ids, ban_eos=True)
+            for (data, prompt), ids in zip(cases, got, strict=True)
+        ]
+        del model
+    bf16, fp32 = forced[torch.bfloat16], forced[torch.float32]
+    return agreement(got, bf16), agreement(bf16, fp32), agreement(got, fp32)

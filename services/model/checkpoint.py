@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from services.common.errors import InvalidArgument
-from services.model.family import Family, family_of
+from services.model.family import Family, family_of, rename_key
 from services.model.files import check_safetensors, weight_files
 from services.model.llama import LlamaDecoder
 from services.model.presets import init_random, is_random
@@ -37,10 +37,8 @@ def canonical_key(key: str, family: Family | None = None) -> tuple[str, str] | N
     vision = (family or LLAVA).vision_key(key)
     if vision is not None:
         return "vision", vision
-    for pattern, repl in _TEXT_KEYS:
-        if pattern.match(key):
-            return "text", pattern.sub(repl, key)
-    return None
+    text = rename_key(_TEXT_KEYS, key)
+    return None if text is None else ("text", text)
 
 
 # module key -> (shard, checkpoint key, shape): where one part's weights are, from the headers.

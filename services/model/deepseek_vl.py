@@ -28,7 +28,7 @@ from torch import nn
 
 from services.common.errors import InvalidArgument
 from services.model.clip import VisionEncoder as VitLayers
-from services.model.family import LayerFn, run_layer
+from services.model.family import LayerFn, rename_key, run_layer
 from services.model.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, image_processor_json, normalize
 from services.model.spec import ModelSpec, VisionSpec, text_spec
 
@@ -397,10 +397,7 @@ class DeepseekVL:
         )
 
     def vision_key(self, key: str) -> str | None:
-        for pattern, repl in _VISION_KEYS:
-            if pattern.match(key):
-                return pattern.sub(repl, key)
-        return None
+        return rename_key(_VISION_KEYS, key)
 
     def build_tower(self, spec: ModelSpec) -> nn.Module:
         return DeepseekTower(spec.vision)  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ Adding a family is one module that implements `Family` plus its entry in `_famil
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -25,6 +26,14 @@ from services.model.spec import ModelSpec
 
 # Runs one layer of a tower: the vision service passes a compiled one (services/vision/graphs.py).
 LayerFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def rename_key(rules: Sequence[tuple[re.Pattern, str]], key: str) -> str | None:
+    """`key` renamed by the first (pattern, replacement) rule that matches it; None if none does."""
+    for pattern, repl in rules:
+        if pattern.match(key):
+            return pattern.sub(repl, key)
+    return None
 
 
 def run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch import nn
 
 from services.common.errors import InvalidArgument
 from services.model.clip import VisionTower
+from services.model.family import rename_key
 from services.model.preprocess import ImageProcessorConfig, crop, normalize
 from services.model.spec import ModelSpec, VisionSpec, text_spec
 
@@ -88,10 +89,7 @@ class Llava:
         )
 
     def vision_key(self, key: str) -> str | None:
-        for pattern, repl in _VISION_KEYS:
-            if pattern.match(key):
-                return pattern.sub(repl, key)
-        return None
+        return rename_key(_VISION_KEYS, key)
 
     def build_tower(self, spec: ModelSpec) -> nn.Module:
         return VisionTower(spec)
