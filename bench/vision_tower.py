@@ -1,9 +1,11 @@
 """Time the vision service's ViT + projector on CUDA, as it serves: graph-captured per batch bucket.
 
-For each batch: the captured tower alone (CUDA events around a replay), and `encode()` as the
-servicer calls it (uint8 pixels uploaded, normalised on the device, the replay, the features
-cloned out), wall time to a sync; p50 of `--steps` after 5 warm-ups. `--profile` adds
-torch.profiler's kernel table for 10 replays of one image.
+For each batch: the captured tower alone (CUDA events around a replay); then, for pictures
+resized on the GPU (`--gpu-resize`, the default) and by Pillow (`--no-gpu-resize`), `pixels()`
+on one JPEG of `--picture` size as a preprocessing thread runs it (CPU), and `encode()` as the
+servicer calls it (uint8 pixels uploaded, resized if left to the GPU, normalised, the replay,
+the features cloned out), wall time to a sync; p50 of `--steps` after 5 warm-ups. `--profile`
+adds torch.profiler's kernel table for 10 replays of one image.
 
     python -m bench.vision_tower [--model preset:llava-7b-shaped] [--batches 1,2,4,8] [--profile]
 """
@@ -11,37 +13,63 @@ torch.profiler's kernel table for 10 replays of one image.
 from __future__ import annotations
 
 import argparse
+import io
 import statistics
 import time
 
+import numpy as np
 import torch
+from PIL import Image
 
+from services.model.family import family_of
 from services.model.spec import load_spec
 from services.vision.encoder import VisionEncoder
 
 
-def time_batch(enc: VisionEncoder, b: int, steps: int) -> tuple[float, float]:
-    """(replay ms on the device, encode() ms wall), p50 over `steps`."""
-    shapes = enc.tower.input_shapes()
-    pixels = [tuple(torch.randint(0, 255, (s[1], s[2], 3), dtype=torch.uint8).pin_memory() for s in shapes)] * b
-    x = [torch.zeros(b, *s, device="cuda", dtype=enc.dtype) for s in shapes]
+def jpeg(width: int, height: int) -> bytes:
+    """A photo-like picture (smooth gradients and noise), as JPEG."""
+    yy, xx = np.mgrid[0:height, 0:width]
+    arr = np.stack([xx * 255 // max(width, 1), yy * 255 // max(height, 1), (xx + yy) % 256], -1)
+    arr = (arr + np.random.default_rng(0).integers(0, 32, arr.shape)).clip(0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def time_replay(enc: VisionEncoder, b: int, steps: int) -> float:
+    """The captured tower alone: ms on the device, p50 over `steps`."""
+    x = [torch.zeros(b, *s, device="cuda", dtype=enc.dtype) for s in enc.tower.input_shapes()]
     for _ in range(5):
-        enc.encode(pixels)
-    torch.cuda.synchronize()
+        enc.graphed(*x)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replay, wall = [], []
+    replay = []
     for _ in range(steps):
         start.record()
         enc.graphed(*x)
         end.record()
         end.synchronize()
         replay.append(start.elapsed_time(end))
+    return statistics.median(replay)
+
+
+def time_serving(enc: VisionEncoder, data: bytes, b: int, steps: int) -> tuple[float, float]:
+    """(pixels() ms per picture on the CPU, encode() ms wall for `b` pictures), p50 over `steps`."""
+    prep = []
+    for _ in range(steps + 5):
+        t = time.perf_counter()
+        pixels = enc.pixels(data)
+        prep.append((time.perf_counter() - t) * 1e3)
+    batch = [pixels] * b
+    for _ in range(5):
+        enc.encode(batch)
+    torch.cuda.synchronize()
+    wall = []
     for _ in range(steps):
         t = time.perf_counter()
-        enc.encode(pixels)
+        enc.encode(batch)
         torch.cuda.synchronize()
         wall.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(replay), statistics.median(wall)
+    return statistics.median(prep[5:]), statistics.median(wall)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--batches", default="1,2,4,8")
     p.add_argument("--steps", type=int, default=20, help="timed runs per batch (default %(default)s)")
+    p.add_argument("--picture", default="224x224", help="WIDTHxHEIGHT of the JPEG served (default %(default)s)")
     p.add_argument("--profile", action="store_true", help="print the kernel table of 10 replays of one image")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -62,7 +91,15 @@ def main(argv: list[str] | None = None) -> None:
     if enc.graphed is None:
         raise SystemExit("the tower could not be captured in CUDA graphs (see the log above)")
     print(f"ready in {time.perf_counter() - t0:.1f} s; buckets {enc.graphed.buckets}", flush=True)
-    rows = [(b, *time_batch(enc, b, args.steps)) for b in batches]
+    data = jpeg(*(int(n) for n in args.picture.split("x")))
+    on_gpu, by_pillow = enc.processor, family_of(spec).image_processor(spec)
+    rows = []
+    for b in batches:
+        row = [b, time_replay(enc, b, args.steps)]
+        for processor in (on_gpu, by_pillow):
+            enc.processor = processor
+            row += time_serving(enc, data, b, args.steps)
+        rows.append(row)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -72,10 +109,12 @@ def main(argv: list[str] | None = None) -> None:
                 enc.graphed(*x)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
-    print("| images | replay ms (device) | ms per image | encode() ms (wall) |")
-    print("| --- | --- | --- | --- |")
-    for b, replay, wall in rows:
-        print(f"| {b} | {replay:.3f} | {replay / b:.3f} | {wall:.3f} |")
+    print(f"pictures: one {args.picture} JPEG; pixels() is per picture, on a CPU thread")
+    print("| images | replay ms (device) | ms per image | GPU resize: pixels() ms | encode() ms (wall) "
+          "| Pillow: pixels() ms | encode() ms (wall) |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for b, replay, *t in rows:
+        print(f"| {b} | {replay:.3f} | {replay / b:.3f} | " + " | ".join(f"{x:.3f}" for x in t) + " |")
 
 
 if __name__ == "__main__":

@@ -207,7 +207,7 @@ class HfTarget:
                 pass
 
         # The family's inputs, by transformers' names (the hybrid's SAM pixels come second).
-        pixels = self.processor.normalize([p[None] for p in self.processor.pixels(decode_image(req.image), "image")])
+        pixels = self.processor.tower_inputs([self.processor.pixels(decode_image(req.image), "image")], self.device)
         names = ("pixel_values", "high_res_pixel_values")
         images = {name: px.to(self.device, self.dtype) for name, px in zip(names[: len(pixels)], pixels, strict=True)}
         ids = torch.tensor([self.prompts.build(req.prompt, 1).ids], device=self.device)

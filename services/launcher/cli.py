@@ -49,6 +49,7 @@ VISION_FLAGS = (
     "vision_engine",
     "max_vision_batch",
     "vision_graphs",
+    "gpu_resize",
     "ready_signal",
     "arena_slots",
     "feature_cache_mib",

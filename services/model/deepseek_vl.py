@@ -20,16 +20,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
 from services.common.errors import InvalidArgument
+from services.model import resample
 from services.model.clip import VisionEncoder as VitLayers
 from services.model.family import LayerFn, rename_key, run_layer
-from services.model.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, image_processor_json, normalize
+from services.model.preprocess import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    image_processor_json,
+    normalize,
+    rgb_tensor,
+)
 from services.model.spec import ModelSpec, VisionSpec, text_spec
 
 PLACEHOLDER = "<image_placeholder>"
@@ -72,10 +78,18 @@ def _side(size: object, where: str) -> int:
 
 
 class DeepseekProcessor:
-    """DeepseekVL(Hybrid)ImageProcessor: resize the long side, pad to a square (uint8, Pillow),
-    then rescale and normalise where the tower runs."""
+    """DeepseekVL(Hybrid)ImageProcessor: resize the long side, pad to a square (uint8, Pillow's
+    arithmetic, on the preprocessing threads or on `resize_on`), then rescale and normalise where
+    the tower runs."""
 
-    def __init__(self, model_dir: Path, hybrid: bool, low_side: int, high_side: int | None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        hybrid: bool,
+        low_side: int,
+        high_side: int | None,
+        resize_on: torch.device | None = None,
+    ) -> None:
         path, raw = image_processor_json(model_dir)
         if not raw.get("do_resize", True) or not raw.get("do_pad", True):
             raise InvalidArgument(f"{path}: do_resize and do_pad must be true (the towers take fixed squares)")
@@ -114,10 +128,17 @@ class DeepseekProcessor:
                     f"{path}: high_res_size {self.high.side} differs from the SAM tower's image_size {high_side}"
                 )
 
+        filters = [self.low.resample] + ([self.high.resample] if self.high is not None else [])
+        self.resize_on = resize_on if resize_on is not None and all(map(resample.supported, filters)) else None
+
+    def _size(self, width: int, height: int, res: Resolution) -> tuple[int, int]:
+        """The long side to `res.side`, the short one at least min_size."""
+        scale = res.side / max(width, height)
+        return max(round(width * scale), self.min_size), max(round(height * scale), self.min_size)
+
     def _square(self, img: Image.Image, res: Resolution) -> Image.Image:
-        """Long side to `res.side` (short side at least min_size), centred on a square of the pad colour."""
-        scale = res.side / max(img.width, img.height)
-        w, h = max(round(img.width * scale), self.min_size), max(round(img.height * scale), self.min_size)
+        """Resized (`_size`) and centred on a square of the pad colour, by Pillow."""
+        w, h = self._size(img.width, img.height, res)
         img = img.resize((w, h), resample=res.resample)
         if w == h:
             return img
@@ -126,26 +147,50 @@ class DeepseekProcessor:
         square.paste(img, ((side - w) // 2, (side - h) // 2))
         return square
 
+    def _square_on_device(self, px: torch.Tensor, res: Resolution) -> torch.Tensor:
+        """`_square` of uint8 [h, w, 3] on its device, with Pillow's arithmetic (resample.py)."""
+        w, h = self._size(px.shape[1], px.shape[0], res)
+        px = resample.resize(px, w, h, res.resample)
+        if w == h:
+            return px
+        side = max(w, h)
+        square = px.new_empty(side, side, 3)
+        for c, value in enumerate(res.background):  # fills, not a copy of the colour from the host
+            square[..., c].fill_(value)
+        top, left = (side - h) // 2, (side - w) // 2
+        square[top : top + h, left : left + w] = px
+        return square
+
     def pixels(self, img: Image.Image, name: str) -> tuple[torch.Tensor, ...]:
-        """-> (SigLIP's [S, S, 3] uint8,) and, for the hybrid, SAM's [S', S', 3] after it."""
+        """-> (SigLIP's [S, S, 3] uint8,) and, for the hybrid, SAM's [S', S', 3] after it; with
+        `resize_on`, the decoded picture alone."""
         if img.mode != "RGB":
             img = img.convert("RGB")
+        if self.resize_on is not None:
+            return (rgb_tensor(img),)
         if self.high is None:
-            return (_tensor(self._square(img, self.low)),)
+            return (rgb_tensor(self._square(img, self.low)),)
         high = self._square(img, self.high)
         low = self._square(high, self.low)  # transformers resizes the padded high-res square
-        return _tensor(low), _tensor(high)
+        return rgb_tensor(low), rgb_tensor(high)
 
-    def normalize(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def _on_device(self, picture: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.high is None:
+            return (self._square_on_device(picture, self.low),)
+        high = self._square_on_device(picture, self.high)
+        return self._square_on_device(high, self.low), high
+
+    def tower_inputs(self, batch: Sequence[tuple[torch.Tensor, ...]], device: torch.device) -> tuple[torch.Tensor, ...]:
+        if self.resize_on is None:
+            stacked = [torch.stack(px).to(device, non_blocking=True) for px in zip(*batch, strict=True)]
+        else:
+            squares = [self._on_device(p[0].to(device, non_blocking=True)) for p in batch]
+            stacked = [torch.stack(px) for px in zip(*squares, strict=True)]
         resolutions = [self.low] if self.high is None else [self.low, self.high]
-        return tuple(normalize(px, res) for px, res in zip(batch, resolutions, strict=True))
+        return tuple(normalize(px, res) for px, res in zip(stacked, resolutions, strict=True))
 
     def salt(self) -> tuple:
         return (self.min_size, self.low, self.high)
-
-
-def _tensor(img: Image.Image) -> torch.Tensor:
-    return torch.from_numpy(np.array(img, dtype=np.uint8, order="C"))  # [S, S, 3], writable
 
 
 # --- towers ----------------------------------------------------------------------------------
@@ -405,11 +450,10 @@ class DeepseekVL:
     def prepare_tower(self, tower: nn.Module) -> None:
         tower.fuse_projections()  # type: ignore[operator]
 
-    def image_processor(self, spec: ModelSpec) -> DeepseekProcessor:
+    def image_processor(self, spec: ModelSpec, resize_on: torch.device | None = None) -> DeepseekProcessor:
         v: DeepseekVision = spec.vision  # type: ignore[assignment]
-        return DeepseekProcessor(
-            spec.model_dir, self.hybrid, v.low.image_size, v.high.image_size if v.high is not None else None
-        )
+        high = v.high.image_size if v.high is not None else None  # type: ignore[attr-defined]
+        return DeepseekProcessor(spec.model_dir, self.hybrid, v.low.image_size, high, resize_on)
 
     def write_tiny(self, out_dir: Path, seed: int) -> Path:
         from services.model.tiny import build_tiny_deepseek

@@ -44,19 +44,24 @@ def run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class ImageProcessor(Protocol):
     """Picture -> the tower's inputs, as the checkpoint's transformers image processor computes them.
 
-    The work splits in two so that only bytes a quarter the size of float pixels cross to the GPU:
-    `pixels` (CPU, uint8, on the preprocessing threads) and `normalize` (where the tower runs).
+    The work splits in two so that only uint8 bytes cross to the tower's device: `pixels` (CPU,
+    on the preprocessing threads) and `tower_inputs` (where the tower runs). Built with a
+    `resize_on` device, a processor leaves its resizing (Pillow's arithmetic, resample.py) to
+    `tower_inputs` on that device, and `pixels` hands over the decoded picture itself.
     """
 
+    resize_on: torch.device | None  # where `tower_inputs` resizes; None: Pillow, in `pixels`
+
     def pixels(self, img: Image.Image, name: str) -> tuple[torch.Tensor, ...]:
-        """One picture -> its resized pixels, one uint8 [S, S, 3] tensor per tower input (CPU).
+        """One picture -> uint8 [h, w, 3] tensors (CPU): one per tower input, resized, or the
+        decoded picture alone where the resize is left to `tower_inputs`.
 
         Raises InvalidArgument naming `name` ("images[0]") when the picture cannot be resized.
         """
         ...
 
-    def normalize(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Stacked uint8 pixels ([B, S, S, 3] per input) -> float32 [B, 3, S, S] per input, on their device."""
+    def tower_inputs(self, batch: Sequence[tuple[torch.Tensor, ...]], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Pictures' `pixels` -> float32 [B, 3, S, S] per tower input, on `device`."""
         ...
 
     def salt(self) -> tuple:
@@ -96,8 +101,9 @@ class Family(Protocol):
         """After loading: fuse what the checkpoint keeps apart (q/k/v) as the forward needs."""
         ...
 
-    def image_processor(self, spec: ModelSpec) -> ImageProcessor:
-        """The preprocessing the checkpoint's image processor settings describe."""
+    def image_processor(self, spec: ModelSpec, resize_on: torch.device | None = None) -> ImageProcessor:
+        """The preprocessing the checkpoint's image processor settings describe; `resize_on`: resize
+        on that device in `tower_inputs` rather than with Pillow in `pixels`."""
         ...
 
     def write_tiny(self, out_dir: Path, seed: int) -> Path:

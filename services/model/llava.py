@@ -18,9 +18,10 @@ from PIL import Image
 from torch import nn
 
 from services.common.errors import InvalidArgument
+from services.model import resample
 from services.model.clip import VisionTower
 from services.model.family import rename_key
-from services.model.preprocess import ImageProcessorConfig, crop, normalize
+from services.model.preprocess import ImageProcessorConfig, crop, crop_on_device, normalize, resized_size, rgb_tensor
 from services.model.spec import ModelSpec, VisionSpec, text_spec
 
 
@@ -40,14 +41,22 @@ _VISION_KEYS = [
 class ClipProcessor:
     """CLIPImageProcessor's resize, center crop and normalisation (services/model/preprocess.py)."""
 
-    def __init__(self, cfg: ImageProcessorConfig) -> None:
+    def __init__(self, cfg: ImageProcessorConfig, resize_on: torch.device | None = None) -> None:
         self.cfg = cfg
+        self.resize_on = resize_on if resize_on is not None and resample.supported(cfg.resample) else None
 
     def pixels(self, img: Image.Image, name: str) -> tuple[torch.Tensor, ...]:
-        return (crop(img, self.cfg, name=name),)
+        if self.resize_on is None:
+            return (crop(img, self.cfg, name=name),)
+        resized_size(img.width, img.height, self.cfg, name=name)  # refuse a sliver here, naming the picture
+        return (rgb_tensor(img if img.mode == "RGB" else img.convert("RGB")),)
 
-    def normalize(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return (normalize(batch[0], self.cfg),)
+    def tower_inputs(self, batch: Sequence[tuple[torch.Tensor, ...]], device: torch.device) -> tuple[torch.Tensor, ...]:
+        if self.resize_on is None:
+            stacked = torch.stack([p[0] for p in batch]).to(device, non_blocking=True)
+        else:
+            stacked = torch.stack([crop_on_device(p[0].to(device, non_blocking=True), self.cfg) for p in batch])
+        return (normalize(stacked, self.cfg),)
 
     def salt(self) -> tuple:
         return dataclasses.astuple(self.cfg)
@@ -97,8 +106,9 @@ class Llava:
     def prepare_tower(self, tower: nn.Module) -> None:
         tower.fuse_projections()  # type: ignore[operator]
 
-    def image_processor(self, spec: ModelSpec) -> ClipProcessor:
-        return ClipProcessor(ImageProcessorConfig.load(spec.model_dir, spec.vision.vit.image_size))  # type: ignore[attr-defined]
+    def image_processor(self, spec: ModelSpec, resize_on: torch.device | None = None) -> ClipProcessor:
+        image_size = spec.vision.vit.image_size  # type: ignore[attr-defined]
+        return ClipProcessor(ImageProcessorConfig.load(spec.model_dir, image_size), resize_on)
 
     def write_tiny(self, out_dir: Path, seed: int) -> Path:
         from services.model.tiny import build_tiny_llava

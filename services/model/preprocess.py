@@ -2,9 +2,10 @@
 
 Configured by the checkpoint's preprocessor_config.json: resize (shortest edge or a
 fixed size, Pillow resampling), optional center crop (`crop`: Pillow and numpy, uint8),
-then rescale and normalise (`normalize`: torch, on whichever device the pixels are). The
-resize stays in Pillow: no float resize reproduces its rounded uint8 output, and tests
-compare against transformers' own processor to 1e-5.
+then rescale and normalise (`normalize`: torch, on whichever device the pixels are). The resize
+is Pillow's: on the preprocessing threads (`crop`), or where the tower runs, with Pillow's own
+fixed-point arithmetic (`crop_on_device`, resample.py); no float resize reproduces its rounded
+uint8 output, and tests compare against transformers' own processor to 1e-5.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from services.common.errors import InvalidArgument
+from services.model import resample
 
 # Pillow's decompression-bomb guard raises above 2x this many pixels; keep it explicit.
 MAX_IMAGE_PIXELS = 40_000_000
@@ -126,11 +128,12 @@ def decode_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS, name: str = "i
     return img
 
 
-def _center_crop(arr: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
+def _center_crop(arr: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
+    """[h, w, 3] -> [ch, cw, 3], centred, as transformers crops (zeros around a picture too small)."""
     h, w = arr.shape[:2]
     ch, cw = hw
     if ch > h or cw > w:  # pad with zeros first, centered, as transformers does
-        padded = np.zeros((max(h, ch), max(w, cw), arr.shape[2]), dtype=arr.dtype)
+        padded = arr.new_zeros((max(h, ch), max(w, cw), arr.shape[2]))
         top, left = (padded.shape[0] - h) // 2, (padded.shape[1] - w) // 2
         padded[top : top + h, left : left + w] = arr
         arr, h, w = padded, padded.shape[0], padded.shape[1]
@@ -138,34 +141,53 @@ def _center_crop(arr: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     return arr[top : top + ch, left : left + cw]
 
 
-def crop(
-    img: Image.Image, cfg: ImageProcessorConfig, max_pixels: int = MAX_IMAGE_PIXELS, name: str = "image data"
-) -> torch.Tensor:
-    """PIL image -> its resized, center-cropped pixels [S, S, 3] uint8 (what Pillow computes).
+def resized_size(
+    width: int, height: int, cfg: ImageProcessorConfig, max_pixels: int = MAX_IMAGE_PIXELS, name: str = "image data"
+) -> tuple[int, int]:
+    """The (width, height) the processor resizes a picture to.
 
     INVALID_ARGUMENT naming `name` when the resize would exceed `max_pixels`: the shortest edge
     goes to the processor's size, so a sliver of a picture (1 x 3,000,000) would grow a thousandfold.
     """
+    if not cfg.do_resize:
+        return width, height
+    if cfg.size_hw is not None:
+        return cfg.size_hw[1], cfg.size_hw[0]
+    short, long = sorted((height, width))
+    new_short, new_long = cfg.shortest_edge, int(cfg.shortest_edge * long / short)
+    new_h, new_w = (new_short, new_long) if height <= width else (new_long, new_short)
+    if new_h * new_w > max_pixels:
+        raise InvalidArgument(
+            f"{name} is {width}x{height}: resized to a shortest edge of {cfg.shortest_edge} it would be "
+            f"{new_w}x{new_h} pixels; the limit is {max_pixels} (an aspect ratio of at most "
+            f"{max_pixels // cfg.shortest_edge**2}:1)"
+        )
+    return new_w, new_h
+
+
+def rgb_tensor(img: Image.Image) -> torch.Tensor:
+    """A picture's pixels as a writable uint8 [h, w, C] tensor (Pillow's own array is read-only)."""
+    return torch.from_numpy(np.array(img, dtype=np.uint8, order="C"))
+
+
+def crop(
+    img: Image.Image, cfg: ImageProcessorConfig, max_pixels: int = MAX_IMAGE_PIXELS, name: str = "image data"
+) -> torch.Tensor:
+    """PIL image -> its resized, center-cropped pixels [S, S, 3] uint8, resized by Pillow."""
     if cfg.do_convert_rgb and img.mode != "RGB":
         img = img.convert("RGB")
-    if cfg.do_resize:
-        if cfg.size_hw is not None:
-            new_h, new_w = cfg.size_hw
-        else:
-            short, long = sorted((img.height, img.width))
-            new_short, new_long = cfg.shortest_edge, int(cfg.shortest_edge * long / short)
-            new_h, new_w = (new_short, new_long) if img.height <= img.width else (new_long, new_short)
-        if new_h * new_w > max_pixels:
-            raise InvalidArgument(
-                f"{name} is {img.width}x{img.height}: resized to a shortest edge of {cfg.shortest_edge} it would be "
-                f"{new_w}x{new_h} pixels; the limit is {max_pixels} (an aspect ratio of at most "
-                f"{max_pixels // cfg.shortest_edge**2}:1)"
-            )
-        img = img.resize((new_w, new_h), resample=cfg.resample)
-    arr = np.asarray(img)  # [h, w, 3] uint8
-    if cfg.do_center_crop:
-        arr = _center_crop(arr, cfg.crop_hw)
-    return torch.from_numpy(np.array(arr, order="C"))  # a writable copy: Pillow's array is read-only
+    size = resized_size(img.width, img.height, cfg, max_pixels, name)
+    if size != img.size:
+        img = img.resize(size, resample=cfg.resample)
+    arr = rgb_tensor(img)
+    return _center_crop(arr, cfg.crop_hw).contiguous() if cfg.do_center_crop else arr
+
+
+def crop_on_device(pixels: torch.Tensor, cfg: ImageProcessorConfig) -> torch.Tensor:
+    """`crop` of a decoded RGB picture [h, w, 3] uint8 on its device (Pillow's resize, resample.py)."""
+    size = resized_size(pixels.shape[1], pixels.shape[0], cfg)
+    pixels = resample.resize(pixels, *size, cfg.resample)
+    return _center_crop(pixels, cfg.crop_hw) if cfg.do_center_crop else pixels
 
 
 def normalize(pixels: torch.Tensor, cfg: ImageProcessorConfig) -> torch.Tensor:

@@ -36,6 +36,13 @@ class VisionConfig:
         help="on CUDA, capture the ViT and projector in a CUDA graph per batch size (1, 2, 4, ... "
         "--max-vision-batch) before ready; --no-vision-graphs runs them eagerly (default %(default)s)",
     )
+    gpu_resize: bool = flag(
+        "--gpu-resize",
+        default=True,
+        help="on CUDA, resize pictures on the GPU with Pillow's own fixed-point arithmetic (the same "
+        "pixels, none of the preprocessing threads' milliseconds); --no-gpu-resize resizes them with "
+        "Pillow on those threads (default %(default)s)",
+    )
     arena_slots: int = flag("--arena-slots", default=64, help="feature slots in the arena (default %(default)s)")
     lease_ttl_s: float = flag(
         "--lease-ttl-s",

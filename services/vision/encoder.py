@@ -17,35 +17,41 @@ from services.vision.graphs import GraphedTower
 
 log = logging.getLogger(__name__)
 
-# One picture's preprocessed pixels: a uint8 [S, S, 3] tensor per tower input (CPU).
+# One picture's pixels (CPU, uint8 [h, w, 3]): one per tower input, or the picture as decoded.
 Pixels = tuple[torch.Tensor, ...]
 
 
 class VisionEncoder:
-    def __init__(self, spec: ModelSpec, device: str, dtype: str, graphs_up_to: int = 0) -> None:
-        """`graphs_up_to`: on CUDA, capture the tower in CUDA graphs for batches up to this many (0: eager)."""
+    def __init__(
+        self, spec: ModelSpec, device: str, dtype: str, graphs_up_to: int = 0, gpu_resize: bool = True
+    ) -> None:
+        """`graphs_up_to`: on CUDA, capture the tower in CUDA graphs for batches up to this many (0: eager).
+        `gpu_resize`: on CUDA, resize pictures there (Pillow's arithmetic) rather than with Pillow."""
         self.spec = spec
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.tower = load_vision_tower(spec, self.device, self.dtype)
-        self.processor = family_of(spec).image_processor(spec)
+        resize_on = self.device if gpu_resize and self.device.type == "cuda" else None
+        self.processor = family_of(spec).image_processor(spec, resize_on)
         self.graphed: GraphedTower | None = None
         if graphs_up_to and self.device.type == "cuda":
             shapes = self.tower.input_shapes()  # type: ignore[operator]
             out = (spec.image_tokens, spec.text.hidden)
             self.graphed = GraphedTower(self.tower, graphs_up_to, shapes, out, self.dtype).capture()
         log.info(
-            "vision tower loaded: %s, %d image tokens x %d, %s on %s, %s",
+            "vision tower loaded: %s, %d image tokens x %d, %s on %s, %s, pictures resized %s",
             spec.family,
             spec.image_tokens,
             spec.text.hidden,
             self.dtype,
             self.device,
             "eager" if self.graphed is None else f"in CUDA graphs for batches {self.graphed.buckets}",
+            "by Pillow" if self.processor.resize_on is None else f"on {self.device}",
         )
 
     def pixels(self, data: bytes, name: str = "image data") -> Pixels:
-        """Image bytes -> the family's resized pixels (CPU, uint8). Raises InvalidArgument naming `name`."""
+        """Image bytes -> the family's pixels (CPU, uint8: resized, or as decoded where the resize
+        runs on the device). Raises InvalidArgument naming `name`."""
         img: Image.Image = decode_image(data, name=name)
         return self.processor.pixels(img, name)
 
@@ -56,8 +62,7 @@ class VisionEncoder:
         The pixels cross to the device as uint8 and are normalised there (a quarter of the bytes
         of float32 pixels, and no float work on the preprocessing threads).
         """
-        stacked = [torch.stack(inputs).to(self.device, non_blocking=True) for inputs in zip(*batch, strict=True)]
-        x = [p.to(self.dtype) for p in self.processor.normalize(stacked)]  # [B, 3, S, S] per input
+        x = [p.to(self.dtype) for p in self.processor.tower_inputs(batch, self.device)]  # [B, 3, S, S] per input
         if self.graphed is not None and len(batch) <= self.graphed.max_batch:
             return self.graphed(*x)
         return self.tower(*x)

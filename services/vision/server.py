@@ -28,7 +28,9 @@ async def _reap_forever(producer: Producer, period_s: float) -> None:
 async def serve(cfg: vision_config.VisionConfig) -> None:
     cfg.model.apply_threads()
     spec = load_spec(cfg.model.path)
-    encoder = VisionEncoder(spec, cfg.model.device, cfg.model.dtype, cfg.max_batch if cfg.graphs else 0)
+    encoder = VisionEncoder(
+        spec, cfg.model.device, cfg.model.dtype, cfg.max_batch if cfg.graphs else 0, gpu_resize=cfg.gpu_resize
+    )
     watch_gpu_memory("vision", encoder.device)
     keep = vision_config.kept_slots(cfg.feature_cache_mib, encoder.feature_bytes)
     producer = Producer(encoder.feature_bytes, cfg.arena_slots, cfg.lease_ttl_s, encoder.device, cfg.ready_signal, keep)

@@ -83,6 +83,7 @@ CUSTOM = {
         model=MODEL,
         max_batch=7,
         graphs=False,
+        gpu_resize=False,
         arena_slots=9,
         feature_cache_mib=7.5,
         lease_ttl_s=0.5,

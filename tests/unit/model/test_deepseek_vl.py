@@ -36,15 +36,17 @@ def transformers_processor(model_dir):
     return hf_processor(model_dir).image_processor
 
 
+@pytest.mark.parametrize("resize_on", [None, torch.device("cpu")], ids=["pillow", "resample"])
 @pytest.mark.parametrize("model", MODELS)
-def test_pixels_equal_transformers_pil_processor(model, request):
+def test_pixels_equal_transformers_pil_processor(model, resize_on, request):
+    """Resized by Pillow on the preprocessing threads, or by resample.py where the tower runs."""
     model_dir = request.getfixturevalue(model)
     spec = load_spec(model_dir)
-    ours = family_of(spec).image_processor(spec)
+    ours = family_of(spec).image_processor(spec, resize_on)
     theirs = transformers_processor(model_dir)
     for i, (h, w, mode) in enumerate(PICTURES):
         img = picture(i, h, w, mode)
-        got = ours.normalize([p[None] for p in ours.pixels(img, "images[0]")])
+        got = ours.tower_inputs([ours.pixels(img, "images[0]")], torch.device("cpu"))
         want = theirs(images=img.convert("RGB"), return_tensors="pt")
         names = ["pixel_values", "high_res_pixel_values"][: len(got)]
         assert sorted(want.keys()) == sorted(names)
@@ -62,9 +64,8 @@ def test_the_towers_give_transformers_image_features(model, request):
     reference = hf_model(model_dir).model
     theirs = transformers_processor(model_dir)
     imgs = [picture(10 + i, h, w, "RGB") for i, (h, w, _) in enumerate(PICTURES[:3])]
-    batch = [torch.stack(x) for x in zip(*(proc.pixels(img, "x") for img in imgs), strict=True)]
     with torch.no_grad():
-        got = tower(*proc.normalize(batch))
+        got = tower(*proc.tower_inputs([proc.pixels(img, "x") for img in imgs], torch.device("cpu")))
         inputs = theirs(images=imgs, return_tensors="pt")
         want = reference.get_image_features(**inputs).pooler_output
     assert got.shape == (3, spec.image_tokens, spec.text.hidden) == want.shape

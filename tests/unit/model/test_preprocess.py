@@ -89,3 +89,18 @@ def test_normalizing_uint8_pixels_in_torch_is_the_processors_arithmetic(tmp_path
         ref = hf(images=img, return_tensors="pt")["pixel_values"][0]
         assert (got - ref).abs().max().item() < 1e-5
         assert torch.equal(got, preprocess(img, cfg))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("size", [(48, 40), (40, 97), (300, 120), (32, 32), (17, 500)])
+def test_resizing_where_the_tower_runs_gives_pillows_pixels(tmp_path, name, size):
+    """ClipProcessor with `resize_on` (resample.py's arithmetic) equals it resizing with Pillow."""
+    from services.model.llava import ClipProcessor
+
+    pil_clip_processor_class()(**CONFIGS[name]).save_pretrained(tmp_path)
+    cfg = ImageProcessorConfig.load(tmp_path, CONFIGS[name]["crop_size"]["height"])
+    img, cpu = picture(*size, mode="RGBA", seed=1), torch.device("cpu")
+    by_pillow, on_device = ClipProcessor(cfg), ClipProcessor(cfg, resize_on=cpu)
+    assert on_device.pixels(img, "x")[0].shape == (size[1], size[0], 3)  # the resize is left to the device
+    got = on_device.tower_inputs([on_device.pixels(img, "x")], cpu)[0]
+    assert torch.equal(got, by_pillow.tower_inputs([by_pillow.pixels(img, "x")], cpu)[0])
