@@ -42,10 +42,12 @@ def build_tokenizer(
     pad: str = "<pad>",
     image: str = "<image>",
     add_bos: bool = False,
+    extra: tuple[str, ...] = (),
 ):
     """A byte-level BPE tokenizer trained on a fixed corpus (deterministic).
 
     `add_bos`: the tokenizer writes BOS itself (as Llama's does), for chat templates that do not.
+    `extra`: more special tokens (a chat template's markers).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -55,7 +57,7 @@ def build_tokenizer(
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(dict.fromkeys(["<unk>", bos, eos, pad, image])),
+        special_tokens=list(dict.fromkeys(["<unk>", bos, eos, pad, image, *extra])),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -364,3 +366,77 @@ def write_deepseek_preset(out_dir: Path, name: str, hybrid: bool) -> None:
     config.text_config.vocab_size = preset["text"]["vocab_size"]
     config.save_pretrained(out_dir)
     _deepseek_processor(out_dir, tok, config, hybrid)
+
+
+# Qwen2.5-VL's chat template (its checkpoints' own, without video): a default system turn, each
+# picture as <|vision_start|><|image_pad|><|vision_end|>, turns between <|im_start|> and <|im_end|>.
+QWEN_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN_SPECIALS = ("<|im_start|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
+
+
+def build_tiny_qwen2_5_vl(out_dir: str | Path, seed: int = 0, context: int = 1024) -> Path:
+    """A random tiny Qwen2.5-VL: a 4-layer ViT (14-px patches, windows of 56 px so that small
+    pictures span several, full attention in layers 1 and 3), pictures of 56x56 to 28*28*64 px
+    (4 to 64 tokens), a 2-layer Qwen2 decoder with M-RoPE sections (2, 3, 3)."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(
+        out, 384, template=QWEN_TEMPLATE, bos="<|endoftext|>", eos="<|im_end|>", pad="<|endoftext|>",
+        image="<|image_pad|>", extra=QWEN_SPECIALS,
+    )  # fmt: skip
+    ids = {name: tok.convert_tokens_to_ids(t) for name, t in [
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+    ]}  # fmt: skip
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tok),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": context,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id,
+        },
+        vision_config={
+            "depth": 4,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 14,
+            "window_size": 56,
+            "fullatt_block_indexes": [1, 3],
+            "out_hidden_size": 64,
+        },
+        tie_word_embeddings=False,
+        **ids,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    widen_init(model)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(out)
+    # The image processor alone: transformers' Qwen2_5_VLProcessor also wants a video processor,
+    # which needs torchvision (tests/helpers.py builds the processor from these parts).
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 64).save_pretrained(out)
+    return out

@@ -1,0 +1,310 @@
+"""Qwen2.5-VL's vision side (`qwen2_5_vl`): pictures read at (close to) their own size.
+
+A picture is resized to multiples of 28 px with its area inside [min_pixels, max_pixels]
+(`smart_resize`), cut into 14-px patches (each repeated over the two frames that the Conv3d
+patch embedding takes), and read by a ViT with 2-D rotary positions whose layers attend within
+windows of `window_size` px, except the `fullatt_block_indexes` layers, which see the whole
+picture; the merger folds each 2x2 block of patches into one token of the decoder's width, so a
+picture of h x w px (after the resize) is (h/28)(w/28) tokens. Several pictures travel packed
+along one axis, each attending only to itself.
+
+Not yet a served family: the decoder's multimodal rotary positions and features of varying
+length through the mesh come next (issue 43); this module holds what is checked against
+transformers so far, the preprocessing and the tower.
+Shapes: N patches of all pictures packed, D = ViT width, P = C*T*p*p values a patch, H = text width.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import nn
+
+from services.common.errors import InvalidArgument
+from services.model import resample
+from services.model.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, image_processor_json, normalize, rgb_tensor
+
+# --- preprocessing ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QwenImageConfig:
+    """Qwen2VLImageProcessor's settings (preprocessor_config.json)."""
+
+    min_pixels: int
+    max_pixels: int
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    resample: int
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def load(cls, model_dir: Path) -> QwenImageConfig:
+        path, raw = image_processor_json(model_dir)
+        size = raw.get("size") or {}
+        # As transformers reads it: min_pixels / max_pixels, where given, override the size's edges.
+        cfg = cls(
+            min_pixels=int(raw.get("min_pixels") or size.get("shortest_edge", 56 * 56)),
+            max_pixels=int(raw.get("max_pixels") or size.get("longest_edge", 28 * 28 * 1280)),
+            patch_size=int(raw.get("patch_size", 14)),
+            temporal_patch_size=int(raw.get("temporal_patch_size", 2)),
+            merge_size=int(raw.get("merge_size", 2)),
+            resample=int(raw.get("resample", Image.Resampling.BICUBIC)),
+            do_rescale=raw.get("do_rescale", True),
+            rescale_factor=raw.get("rescale_factor", 1 / 255),
+            do_normalize=raw.get("do_normalize", True),
+            mean=tuple(raw.get("image_mean", OPENAI_CLIP_MEAN)),
+            std=tuple(raw.get("image_std", OPENAI_CLIP_STD)),
+        )
+        if not raw.get("do_resize", True):
+            raise InvalidArgument(f"{path}: do_resize must be true (pictures are resized to multiples of {cfg.factor})")
+        if not 0 < cfg.min_pixels <= cfg.max_pixels:
+            raise InvalidArgument(
+                f"{path}: min_pixels {cfg.min_pixels} and max_pixels {cfg.max_pixels} must be 0 < min <= max"
+            )
+        return cfg
+
+
+def smart_resize(height: int, width: int, cfg: QwenImageConfig, name: str = "image data") -> tuple[int, int]:
+    """(height, width) rounded to multiples of `cfg.factor`, the area brought inside
+    [min_pixels, max_pixels] keeping the aspect ratio, as Qwen2-VL's processor does."""
+    factor = cfg.factor
+    if max(height, width) / min(height, width) > 200:
+        raise InvalidArgument(f"{name} is {width}x{height}: an aspect ratio over 200 is refused")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > cfg.max_pixels:
+        beta = math.sqrt(height * width / cfg.max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < cfg.min_pixels:
+        beta = math.sqrt(cfg.min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+class QwenProcessor:
+    """Pictures -> packed patches [N, P] and their grids [n, 3] (t, h, w in patches)."""
+
+    def __init__(self, cfg: QwenImageConfig, resize_on: torch.device | None = None) -> None:
+        self.cfg = cfg
+        self.resize_on = resize_on if resize_on is not None and resample.supported(cfg.resample) else None
+
+    def pixels(self, img: Image.Image, name: str) -> tuple[torch.Tensor, ...]:
+        if img.mode != "RGB":
+            img = img.convert("RGB")
+        h, w = smart_resize(img.height, img.width, self.cfg, name)
+        if self.resize_on is None and (w, h) != img.size:
+            img = img.resize((w, h), resample=self.cfg.resample)
+        return (rgb_tensor(img),)
+
+    def _patches(self, px: torch.Tensor) -> torch.Tensor:
+        """uint8 [h, w, 3] (resized) -> [h/p * w/p, P], the patches in 2x2-merge order."""
+        c, p, m, t = 3, self.cfg.patch_size, self.cfg.merge_size, self.cfg.temporal_patch_size
+        x = normalize(px, self.cfg)  # [3, h, w] float32
+        gh, gw = x.shape[1] // p, x.shape[2] // p
+        x = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, p, p]
+        x = x.unsqueeze(5).expand(*x.shape[:5], t, p, p)  # the picture is both frames of the patch
+        return x.reshape(gh * gw, c * t * p * p)
+
+    def tower_inputs(self, batch: Sequence[tuple[torch.Tensor, ...]], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """-> (patches [N, P] float32, grid [n, 3] int64), on `device`."""
+        patches, grids = [], []
+        for (px,) in batch:
+            px = px.to(device, non_blocking=True)
+            if self.resize_on is not None:
+                h, w = smart_resize(px.shape[0], px.shape[1], self.cfg)
+                px = resample.resize(px, w, h, self.cfg.resample)
+            patches.append(self._patches(px))
+            grids.append((1, px.shape[0] // self.cfg.patch_size, px.shape[1] // self.cfg.patch_size))
+        return torch.cat(patches), torch.tensor(grids, dtype=torch.long, device=device)
+
+    def salt(self) -> tuple:
+        return tuple(vars(self.cfg).values())
+
+
+# --- the tower -------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Qwen's RMSNorm: normalised in float32, scaled in the input's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class PatchEmbed(nn.Module):
+    """The Conv3d whose kernel is the whole patch: a matmul with its weight flattened."""
+
+    def __init__(self, vc) -> None:
+        super().__init__()
+        p, t = vc.patch_size, vc.temporal_patch_size
+        self.proj = nn.Conv3d(vc.in_channels, vc.hidden_size, kernel_size=(t, p, p), stride=(t, p, p), bias=False)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        w = self.proj.weight
+        return patches.to(w.dtype) @ w.reshape(w.shape[0], -1).t()  # [N, P] -> [N, D]
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden)
+        self.up_proj = nn.Linear(dim, hidden)
+        self.down_proj = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: Sequence[int]) -> torch.Tensor:
+    """Attention of each segment [cu[i], cu[i+1]) to itself alone. q, k, v [N, heads, hd] -> [N, heads, hd]."""
+    out = []
+    for a, b in itertools.pairwise(cu):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [heads, len, hd]
+        out.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1))
+    return torch.cat(out)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: Sequence[int]) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).reshape(n, 3, self.heads, -1).unbind(1)  # [N, heads, hd] each
+        cos, sin = cos[:, None], sin[:, None]  # [N, 1, hd], float32: the rotation runs in float32
+        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
+        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
+        return self.proj(attend_segments(q, k, v, cu).reshape(n, -1))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, vc) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(vc.hidden_size)
+        self.norm2 = RMSNorm(vc.hidden_size)
+        self.attn = VisionAttention(vc.hidden_size, vc.num_heads)
+        self.mlp = MLP(vc.hidden_size, vc.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: Sequence[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, cu)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """Each 2x2 block of patches (adjacent in the packed order) -> one token of the decoder's width."""
+
+    def __init__(self, out_dim: int, dim: int, merge: int) -> None:
+        super().__init__()
+        self.width = dim * merge * merge
+        self.ln_q = RMSNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, out_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.width))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the grids decide, computed once per set of grids on the host: each patch's (row, column)
+    for the rotary positions, the window order of the merged units, and both attentions' segments."""
+
+    rows_cols: torch.Tensor  # [N, 2] in the packed (merge) order
+    window_index: torch.Tensor  # [N / m^2]: merged units in window order
+    cu_windows: tuple[int, ...]  # segment bounds of the windowed layers, in window order
+    cu_pictures: tuple[int, ...]  # segment bounds of the full-attention layers (one per picture)
+
+
+@lru_cache(maxsize=256)
+def layout(grids: tuple[tuple[int, int, int], ...], merge: int, window: int) -> Layout:
+    """`window`: a window's side in merged units (window_size / merge / patch)."""
+    rows_cols, window_index, cu_windows, cu_pictures, base = [], [], [0], [0], 0
+    for t, h, w in grids:
+        rows = torch.arange(h)[:, None].expand(h, w)
+        cols = torch.arange(w)[None, :].expand(h, w)
+        block = (h // merge, merge, w // merge, merge)
+        rc = torch.stack([x.reshape(block).transpose(1, 2).flatten() for x in (rows, cols)], dim=-1)
+        rows_cols.append(rc.repeat(t, 1))
+        mh, mw = h // merge, w // merge
+        index = torch.arange(t * mh * mw).reshape(t, mh, mw)
+        pad_h, pad_w = window - mh % window, window - mw % window  # as transformers pads (a whole window when even)
+        nh, nw = (mh + pad_h) // window, (mw + pad_w) // window
+        padded = F.pad(index, (0, pad_w, 0, pad_h), value=-1).reshape(t, nh, window, nw, window)
+        padded = padded.permute(0, 1, 3, 2, 4).reshape(t, nh * nw, window * window)
+        sizes = (padded >= 0).sum(-1).flatten()
+        window_index.append(padded[padded >= 0] + base)
+        for size in sizes.tolist():
+            if size:
+                cu_windows.append(cu_windows[-1] + size * merge * merge)
+        cu_pictures.extend(cu_pictures[-1] + (i + 1) * h * w for i in range(t))
+        base += t * mh * mw
+    return Layout(torch.cat(rows_cols), torch.cat(window_index), tuple(cu_windows), tuple(cu_pictures))
+
+
+class QwenVisionTower(nn.Module):
+    """Packed patches [N, P] of pictures with grids [n, 3] -> their tokens [N / m^2, H], picture after picture.
+
+    Module names are transformers' (`visual.*`), so the checkpoint loads as it is saved.
+    """
+
+    def __init__(self, vc) -> None:
+        super().__init__()
+        self.merge = vc.spatial_merge_size
+        self.window = vc.window_size // vc.spatial_merge_size // vc.patch_size
+        self.full = frozenset(vc.fullatt_block_indexes)
+        self.patch_embed = PatchEmbed(vc)
+        head_dim = vc.hidden_size // vc.num_heads
+        theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        spatial = head_dim // 2  # half the channels rotate by the row, half by the column
+        self.register_buffer(
+            "inv_freq", 1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial), persistent=False
+        )
+        self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
+        self.merger = PatchMerger(vc.out_hidden_size, vc.hidden_size, vc.spatial_merge_size)
+
+    def forward(self, patches: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        grids = tuple(tuple(g) for g in grid.tolist())
+        lay = layout(grids, self.merge, self.window)
+        unit = self.merge * self.merge
+        order = lay.window_index.to(patches.device)
+        x = self.patch_embed(patches)  # [N, D]
+        n = x.shape[0]
+        x = x.view(n // unit, unit, -1)[order].reshape(n, -1)  # windows contiguous
+        freqs = lay.rows_cols.to(patches.device)[..., None].float() * self.inv_freq  # [N, 2, hd/4]
+        freqs = freqs.flatten(1).view(n // unit, unit, -1)[order].reshape(n, -1)  # [N, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, lay.cu_pictures if i in self.full else lay.cu_windows)
+        return self.merger(x)[torch.argsort(order)]  # back to picture order

@@ -1,0 +1,76 @@
+"""Qwen2.5-VL's vision side against transformers (fp32, CPU): the processor's patches and grids,
+and the tower's tokens, for pictures of several sizes and aspect ratios packed together."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from services.common.errors import InvalidArgument
+from services.model.qwen2_5_vl import QwenImageConfig, QwenProcessor, QwenVisionTower, smart_resize
+
+# (height, width): under min_pixels (grown), ordinary, over max_pixels (shrunk), long and thin.
+SIZES = [(20, 30), (60, 90), (224, 224), (300, 120), (512, 512), (37, 400)]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory):
+    from services.model.tiny import build_tiny_qwen2_5_vl
+
+    return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"))
+
+
+def picture(seed: int, h: int, w: int, mode: str = "RGB") -> Image.Image:
+    arr = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    return Image.fromarray(arr).convert(mode)
+
+
+def theirs(model_dir):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+
+
+@pytest.mark.parametrize("resize_on", [None, torch.device("cpu")], ids=["pillow", "resample"])
+def test_patches_and_grids_equal_transformers(tiny_qwen, resize_on):
+    ours = QwenProcessor(QwenImageConfig.load(tiny_qwen), resize_on)
+    imgs = [picture(i, h, w, "RGBA" if i == 3 else "RGB") for i, (h, w) in enumerate(SIZES)]
+    patches, grid = ours.tower_inputs(
+        [ours.pixels(img, f"images[{i}]") for i, img in enumerate(imgs)], torch.device("cpu")
+    )
+    want = theirs(tiny_qwen)(images=[img.convert("RGB") for img in imgs], return_tensors="pt")
+    assert grid.tolist() == want["image_grid_thw"].tolist()
+    assert patches.shape == want["pixel_values"].shape
+    torch.testing.assert_close(patches, want["pixel_values"], atol=1e-6, rtol=0)
+
+
+def test_smart_resize_keeps_the_area_inside_the_limits(tiny_qwen):
+    cfg = QwenImageConfig.load(tiny_qwen)
+    for h, w in [*SIZES, (1000, 7), (7, 1000)]:
+        rh, rw = smart_resize(h, w, cfg)
+        assert rh % 28 == rw % 28 == 0 and rh * rw <= cfg.max_pixels, (h, w, rh, rw)
+    with pytest.raises(InvalidArgument, match=r"images\[1\] is 2000x5: an aspect ratio over 200"):
+        smart_resize(5, 2000, cfg, "images[1]")
+
+
+def test_the_tower_gives_transformers_image_features(tiny_qwen):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_qwen, dtype=torch.float32).eval()
+    tower = QwenVisionTower(hf.config.vision_config)
+    tower.load_state_dict(hf.model.visual.state_dict())
+    proc = QwenProcessor(QwenImageConfig.load(tiny_qwen))
+    imgs = [picture(10 + i, h, w) for i, (h, w) in enumerate(SIZES)]
+    patches, grid = proc.tower_inputs([proc.pixels(img, "x") for img in imgs], torch.device("cpu"))
+    with torch.no_grad():
+        got = tower(patches, grid)
+        want = torch.cat(hf.model.get_image_features(pixel_values=patches, image_grid_thw=grid).pooler_output)
+    tokens = [t * h * w // 4 for t, h, w in grid.tolist()]
+    assert got.shape == (sum(tokens), hf.config.text_config.hidden_size) == want.shape
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    first, second = got[: tokens[0]], got[tokens[0] : tokens[0] + tokens[1]]
+    assert (first.mean(0) - second.mean(0)).abs().mean() > 0.05 * got.abs().mean()  # the pictures matter
+    alone = tower(*proc.tower_inputs([proc.pixels(imgs[1], "x")], torch.device("cpu")))
+    torch.testing.assert_close(alone, second, atol=2e-5, rtol=1e-5)  # packing does not mix pictures
