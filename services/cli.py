@@ -73,7 +73,11 @@ def _check_model(argv: list[str], service: str) -> None:
         return  # the service's own parser or loader reports what is wrong
     from services.model.checkpoint import preflight
 
-    preflight(model, ("vision",) if service == "vision" else ("text",), tokenizer=service == "llm")
+    spec = preflight(model, ("vision",) if service == "vision" else ("text",), tokenizer=service == "llm")
+    if service == "llm":
+        from services.llm.engines import check_engine
+
+        check_engine(_flag_value(argv, "--llm-engine") or "native", spec)
 
 
 def serve(rest: list[str]) -> int:

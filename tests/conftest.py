@@ -51,6 +51,14 @@ def tiny_deepseek(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory):
+    """A random Qwen2.5-VL (14-px patches, 4 to 64 tokens a picture, M-RoPE), saved by transformers."""
+    from services.model.tiny import build_tiny_qwen2_5_vl
+
+    return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"), seed=2)
+
+
+@pytest.fixture(scope="session")
 def mesh(tiny_model):
     """gateway, vision and llm as three real processes on ephemeral ports."""
     with Mesh(mesh_options(tiny_model)) as running:

@@ -248,6 +248,8 @@ def hf_inputs(model_dir, data: bytes | list[bytes], prompt: str):
     """transformers' own processor on the same bytes (one picture or several, before the text):
     input_ids and pixel values."""
     pictures = [data] if isinstance(data, bytes) else data
+    if _model_type(model_dir) == "qwen2_5_vl":
+        return _qwen_inputs(model_dir, pictures, prompt)
     proc = hf_processor(model_dir)
     content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": prompt}]
     text = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
@@ -256,18 +258,47 @@ def hf_inputs(model_dir, data: bytes | list[bytes], prompt: str):
     return proc(images=images if len(images) > 1 else images[0], text=text, return_tensors="pt", **kwargs)
 
 
+def _qwen_inputs(model_dir, pictures: list[bytes], prompt: str):
+    """What Qwen2_5_VLProcessor computes (it cannot be built without torchvision's video processor):
+    the chat template, each <|image_pad|> repeated for its picture's tokens, the PIL image
+    processor's patches and grids, and the token types M-RoPE reads."""
+    import torch
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    images = Qwen2VLImageProcessorPil.from_pretrained(model_dir)(
+        images=[Image.open(io.BytesIO(d)).convert("RGB") for d in pictures], return_tensors="pt"
+    )
+    content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": prompt}]
+    text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    parts = text.split("<|image_pad|>")
+    counts = (images["image_grid_thw"].prod(-1) // 4).tolist()
+    text = parts[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(counts, parts[1:], strict=True))
+    enc = tok(text, return_tensors="pt")
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    return {
+        **enc,
+        "pixel_values": images["pixel_values"],
+        "image_grid_thw": images["image_grid_thw"],
+        "mm_token_type_ids": (enc["input_ids"] == image_id).int(),
+    }
+
+
 def hf_model(model_dir, **kwargs):
     """transformers' model class of the checkpoint's family, loaded from it."""
     from transformers import (
         DeepseekVLForConditionalGeneration,
         DeepseekVLHybridForConditionalGeneration,
         LlavaForConditionalGeneration,
+        Qwen2_5_VLForConditionalGeneration,
     )
 
     classes = {
         "llava": LlavaForConditionalGeneration,
         "deepseek_vl": DeepseekVLForConditionalGeneration,
         "deepseek_vl_hybrid": DeepseekVLHybridForConditionalGeneration,
+        "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
     }
     return classes[_model_type(model_dir)].from_pretrained(model_dir, **kwargs).eval()
 

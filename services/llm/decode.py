@@ -1,10 +1,11 @@
 """The decode step: one token for each running sequence, over static buffers, graph-captured on CUDA.
 
 Inputs live at fixed device addresses (the front of the runner's staging buffer): tokens
-[B], positions [B], block tables [B, max_pages] and an EOS-ban flag [B], for B = the
-largest batch. A batch of n runs as the smallest captured bucket b >= n (1, 2, 4, 8, ...);
-rows n..b are padding that reads and writes only the null page. Outputs too are static:
-logits [B, V] (fp32) and greedy tokens [B], so a step allocates nothing on the device.
+[B], positions [B], block tables [B, max_pages] and an EOS-ban flag [B] (under M-RoPE also
+each sequence's rotary offset [B]), for B = the largest batch. A batch of n runs as the
+smallest captured bucket b >= n (1, 2, 4, 8, ...); rows n..b are padding that reads and
+writes only the null page. Outputs too are static: logits [B, V] (fp32) and greedy tokens
+[B], so a step allocates nothing on the device.
 
 Each layer runs through its decode attention's `run_layer` (services/llm/attention.py): on
 CUDA one `torch.compile`d function around `flex_attention`'s paged kernel, the same for every
@@ -40,9 +41,11 @@ class DecodeStep:
         inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # int32 device views
         eos: torch.Tensor | None,  # the model's EOS ids [k] on the device; None when it has none
         max_batch: int,
+        delta: torch.Tensor | None = None,  # M-RoPE: each sequence's rotary offset [B] (services/model/mrope.py)
     ) -> None:
         self.model, self.kv, self.attn, self.rope, self.eos = model, kv, attn, rope, eos
         self.tokens, self.positions, self.tables, self.ban = inputs
+        self.delta = delta
         device = self.tokens.device
         self.logits = torch.zeros(max_batch, model.lm_head.out_features, device=device)
         self.greedy = torch.zeros(max_batch, dtype=torch.int64, device=device)
@@ -69,7 +72,8 @@ class DecodeStep:
         tokens = self.tokens[:b]
         positions = self.positions[:b].long()
         tables = self.tables[:b].long()
-        cos, sin = self.rope[0][positions], self.rope[1][positions]  # [b, d]
+        rotary = positions if self.delta is None else positions + self.delta[:b].long()  # a decode is text
+        cos, sin = self.rope[0][rotary], self.rope[1][rotary]  # [b, d]
         slots = page_slots(tables, positions, self.kv.page_size)
         self.attn.prepare(positions, tables, max_len)
         x = self.model.embed_tokens(tokens)  # [b, H]

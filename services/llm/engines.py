@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from services.common.errors import InvalidArgument
 from services.llm.config import ENGINES, NativeEngineConfig
 from services.llm.interface import Engine
 from services.model.prompt import PromptBuilder
+from services.model.spec import ModelSpec
+
+
+def check_engine(name: str, spec: ModelSpec) -> None:
+    """INVALID_ARGUMENT where the named engine cannot serve the checkpoint's family."""
+    if name == "vllm" and spec.text.mrope_section is not None:
+        raise InvalidArgument(
+            f"{spec.model_dir}: --llm-engine vllm cannot serve {spec.family}: its decoder turns picture tokens "
+            "by their grid (M-RoPE), which the prompt embeddings handed to vLLM cannot carry; use --llm-engine native"
+        )
 
 
 def build_engine(
@@ -23,6 +34,8 @@ def build_engine(
     spec = prompts.spec
     if name == "vllm":
         from services.llm.vllm_engine import VllmEngine
+
+        check_engine(name, spec)
 
         engine: Engine = VllmEngine(spec, dtype, max_batch, prompts, default_max_tokens, vllm_kv_cache_gib)
     elif name == "native":

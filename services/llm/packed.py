@@ -46,7 +46,7 @@ from services.llm.packed_mask import Q_BLOCK, block_mask, stage_blocks, stage_pa
 from services.llm.request import Request
 from services.llm.scheduler import Chunk
 from services.llm.transfers import Staging
-from services.model.llama import LlamaDecoder
+from services.model.llama import LlamaDecoder, rope_rows
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,11 @@ def decode_row_sizes(max_seqs: int) -> list[int]:
     return sorted({min(s, max_seqs) for s in (8, 16, max_seqs)})
 
 
-def fixed_words(max_rows: int, max_seqs: int, n_pages: int) -> int:
+def fixed_words(max_rows: int, max_seqs: int, n_pages: int, mrope: bool = False) -> int:
     """Staging words the packed step's inputs take (see `PackedStep.__init__`)."""
     rows = row_buckets(max_rows)[-1]
     blocks = rows // Q_BLOCK
-    return 4 * rows + 3 * n_pages + 2 * blocks * (1 + n_pages) + 2 * max_seqs
+    return (4 + 3 * mrope) * rows + 3 * n_pages + 2 * blocks * (1 + n_pages) + 2 * max_seqs
 
 
 class PackedStep:
@@ -92,8 +92,9 @@ class PackedStep:
         decode: DecodeStep | None = None,  # whose attention and inputs the decodes riding in the rows use
         layer_in=prefill_in,  # the layer halves around the attention: compiled (dynamic rows) on CUDA
         layer_out=prefill_out,
+        mrope: torch.Tensor | None = None,  # M-RoPE's channel columns (services/model/mrope.py); None: plain
     ) -> None:
-        self.model, self.kv, self.rope, self.eos = model, kv, rope, eos
+        self.model, self.kv, self.rope, self.eos, self.mrope = model, kv, rope, eos, mrope
         self.page, self.n_pages, self.max_seqs = kv.page_size, kv.n_pages, max_seqs
         self.buckets = row_buckets(max_rows)
         rows, s, blocks = self.buckets[-1], max_seqs, self.buckets[-1] // Q_BLOCK
@@ -112,12 +113,16 @@ class PackedStep:
             "last": s,  # the rows whose logits are sampled
             "ban": s,
         }
+        if mrope is not None:
+            sizes["rope"] = rows * 3  # each row's (t, h, w) rotary position
         self._host, dev = {}, {}
         for name, n in sizes.items():
             self._host[name], dev[name] = staging.fixed_view(at, n)
             at += n
         for name in ("kv_idx", "full_idx"):
             self._host[name] = self._host[name].reshape(blocks, self.n_pages)
+        if mrope is not None:
+            self._host["rope"], dev["rope"] = self._host["rope"].reshape(rows, 3), dev["rope"].view(rows, 3)
         self._dev = dev
         device = kv.k[0].device
         self.x = torch.zeros(rows, model.embed_tokens.embedding_dim, device=device, dtype=kv.k[0].dtype)
@@ -179,6 +184,9 @@ class PackedStep:
         positions = np.concatenate(pos)
         rows = self.bucket(n + d)
         h["ids"][:n], h["pos"][:n] = ids, positions
+        if self.mrope is not None:
+            h["rope"][:n] = np.concatenate([c.req.rope_positions(c.start, c.end) for c in chunks])
+            h["rope"][n:rows] = 0
         h["rank"][:n] = 0 if fresh else ranks[np.repeat(np.arange(len(reqs)), [len(p) for p in pos])]
         h["slots"][:n] = np.concatenate(slots)
         h["ids"][n:rows] = 0
@@ -190,6 +198,8 @@ class PackedStep:
             at = first + np.arange(len(decodes))
             h["ids"][at] = [0 if r.unseen else r.token_at(r.computed) for r in decodes]  # unseen: fed on the device
             h["pos"][at] = [r.computed for r in decodes]
+            if self.mrope is not None:
+                h["rope"][at] = np.array([r.computed + r.rope_delta for r in decodes])[:, None]
             h["slots"][at] = [pool_slot(r.blocks, r.computed, page) for r in decodes]
             last.extend(at.tolist())
             ban.extend(r.generated < r.sampling.min_tokens for r in decodes)
@@ -219,7 +229,8 @@ class PackedStep:
         rows, decodes, fresh = size
         d = self._dev
         positions, slots = d["pos"][:rows].long(), d["slots"][:rows].long()
-        cos, sin = self.rope[0][positions], self.rope[1][positions]
+        rotary = positions if self.mrope is None else d["rope"][:rows].long()
+        cos, sin = rope_rows(self.rope, rotary, self.mrope)
         mask = self._masks[rows]
         if decodes:  # the decode step's inputs, staged by the runner for these rows
             attn, first = self.decode.attn, rows - decodes

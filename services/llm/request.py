@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from services.common.qos import QosLevel
 from services.common.sampling import Sampling
 from services.common.timings import Timings
@@ -57,7 +59,7 @@ class Request:
     id: str
     prompt_ids: list[int]  # image positions hold the image token id
     image_positions: list[int]  # first prompt position of each image's features
-    image_features: list[torch.Tensor]  # each [image_tokens, H]; may alias the vision arena (see leases)
+    image_features: list[torch.Tensor]  # each [its tokens, H]; may alias the vision arena (see leases)
     text_tokens: int
     sampling: Sampling
     max_new: int  # resolved: sampling.max_tokens or what the context leaves
@@ -87,6 +89,10 @@ class Request:
     # runner before the step's forward).
     kv_copy: tuple[int, int] | None = None
     generator: torch.Generator | None = None
+    # Multimodal RoPE (services/model/mrope.py): the prompt's positions [3, prompt_len], and the
+    # offset of every later position (index + rope_delta); None and 0 for plain RoPE.
+    mrope: np.ndarray | None = None
+    rope_delta: int = 0
     # Launched steps that hold it and whose tokens are not back yet (0-2). While it is in one, its
     # pages and leases are not released (a step may still read or write them).
     in_flight: int = 0
@@ -110,6 +116,14 @@ class Request:
         leases, self.leases = self.leases, None
         if leases is not None:
             leases.release()
+
+    def rope_positions(self, start: int, end: int) -> np.ndarray:
+        """The M-RoPE positions [end - start, 3] of sequence indices [start, end)."""
+        out = np.repeat(np.arange(start + self.rope_delta, end + self.rope_delta, dtype=np.int32)[:, None], 3, axis=1)
+        upto = min(end, self.prompt_len)
+        if upto > start and self.mrope is not None:
+            out[: upto - start] = self.mrope[:, start:upto].T
+        return out
 
     def token_at(self, position: int) -> int:
         """The token id at a position of its sequence (prompt, then generated)."""

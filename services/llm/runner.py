@@ -34,7 +34,8 @@ from services.llm.scheduler import Chunk
 from services.llm.transfers import Staging, TokenFetch
 from services.model import gemv
 from services.model.checkpoint import load_decoder
-from services.model.llama import rope_tables
+from services.model.llama import rope_rows, rope_tables
+from services.model.mrope import mrope_columns
 from services.model.quantize import quantize_decoder
 from services.model.spec import ModelSpec
 
@@ -95,6 +96,7 @@ class ModelRunner:
         self.model = load_decoder(spec, device, dtype)
         quantize_decoder(self.model.layers, self.cfg.quantize, device, dtype)  # weight-only; "none" leaves it
         self.rope = rope_tables(spec, device, dtype)
+        self.mrope = mrope_columns(spec, device)  # None for plain RoPE
         eos = list(spec.text.eos_token_ids)
         self.eos = torch.tensor(eos, dtype=torch.int64, device=device) if eos else None  # banned under min_tokens
         # The layer halves around a prefill's attention, compiled once for any token count:
@@ -116,15 +118,18 @@ class ModelRunner:
         b, p, cfg = self.max_batch, self.max_pages, self.cfg
         self.use_packed = self.graphs if cfg.packed is None else cfg.packed
         self.rows = cfg.max_prefill_tokens + b  # a full budget, and every decode riding
-        self.decode_words = b * (3 + p)  # tokens, positions, block tables, EOS bans
-        packed_words = fixed_words(self.rows, b, self.n_pages) if self.use_packed else 0
-        extra = 3 * cfg.max_prefill_tokens + b * self.max_context + 8 * b
+        mrope = self.mrope is not None
+        self.decode_words = b * (3 + p + mrope)  # tokens, positions, block tables, EOS bans (M-RoPE: deltas)
+        packed_words = fixed_words(self.rows, b, self.n_pages, mrope) if self.use_packed else 0
+        extra = (3 + 3 * mrope) * cfg.max_prefill_tokens + b * self.max_context + 8 * b
         fixed = self.decode_words + packed_words
         self.staging = Staging(fixed + extra, fixed, self.device)
         self.fetches = (TokenFetch(b, self.device), TokenFetch(b, self.device))
         self._turn = 0
-        views = [self.staging.fixed_view(at, n) for at, n in ((0, b), (b, b), (2 * b, b * p), (b * (2 + p), b))]
-        self._tok, self._pos, tab, self._ban = (host for host, _ in views)
+        spans = [(0, b), (b, b), (2 * b, b * p), (b * (2 + p), b)] + ([(b * (3 + p), b)] if mrope else [])
+        views = [self.staging.fixed_view(at, n) for at, n in spans]
+        self._tok, self._pos, tab, self._ban = (host for host, _ in views[:4])
+        self._delta = views[4][0] if mrope else None
         self._tab = tab.reshape(b, p)
         self._decode_inputs = tuple(dev for _, dev in views)
         # The last step launched: its fetch (its tokens stay on the device) and the row of each
@@ -138,9 +143,9 @@ class ModelRunner:
             attn = FlexDecode(self.page_size, t.heads, t.kv_heads, self.n_pages, b, self.device, linear=linear)
         else:
             attn = GatherDecode(self.page_size, t.heads, t.kv_heads, linear=linear)
-        tok, pos, tables, ban = self._decode_inputs
+        tok, pos, tables, ban, *delta = self._decode_inputs
         inputs = (tok, pos, tables.view(b, self.max_pages), ban)
-        self.decode = DecodeStep(self.model, self.kv, attn, self.rope, inputs, self.eos, b)
+        self.decode = DecodeStep(self.model, self.kv, attn, self.rope, inputs, self.eos, b, *delta)
         if self.graphs:
             self.decode.capture(self.page_size)
 
@@ -150,7 +155,7 @@ class ModelRunner:
             return
         self.packed = PackedStep(
             *(self.model, self.kv, self.rope, self.staging, self.decode_words, self.eos, self.rows),
-            *(self.max_batch, self.decode, self.prefill_in, self.prefill_out),
+            *(self.max_batch, self.decode, self.prefill_in, self.prefill_out, self.mrope),
         )
         if self.graphs:  # where the graphs cannot be captured and packed was not asked for, run per chunk
             self.packed = self.packed.capture(fallback=self.cfg.packed is None)
@@ -255,19 +260,23 @@ class ModelRunner:
         self._pos[:b] = 0
         self._tab[:b] = 0  # padding rows and unused entries point at the null page
         self._ban[:b] = 0
+        if self._delta is not None:
+            self._delta[:b] = 0
         for i, r in enumerate(reqs):
             # Its last token, or a prompt's last position (Scheduler._one_left); unseen: fed on the device.
             self._tok[i] = 0 if r.unseen else r.token_at(r.computed)
             self._pos[i] = r.computed
             self._tab[i, : len(r.blocks)] = r.blocks
             self._ban[i] = r.generated < r.sampling.min_tokens
+            if self._delta is not None:
+                self._delta[i] = r.rope_delta
 
     def _stage_chunks(self, chunks: list[Chunk]) -> tuple:
         """A per-chunk prefill's inputs: ids, positions, pool slots, each chunk's span (with the pool
         positions it reads when it continues its sequence), and the sampled rows and their EOS bans
         (None when no chunk completes)."""
         staging, page = self.staging, self.page_size
-        ids, positions, slots, spans, last_rows, bans = [], [], [], [], [], []
+        ids, positions, rope, slots, spans, last_rows, bans = [], [], [], [], [], [], []
         row = 0
         for c in chunks:
             req = c.req
@@ -275,6 +284,8 @@ class ModelRunner:
             ids.extend(seq[c.start : c.end])
             pos = np.arange(c.start, c.end)
             positions.append(pos)
+            if self.mrope is not None:
+                rope.append(req.rope_positions(c.start, c.end).ravel())
             slots.append(pool_slots(req.blocks, pos, page))
             context = None
             if c.start > 0:  # attends to earlier positions, already in the pool
@@ -284,9 +295,11 @@ class ModelRunner:
             if c.completes:
                 last_rows.append(row - 1)
                 bans.append(len(req.output_ids) < req.sampling.min_tokens)
+        rope_positions = staging.ints(np.concatenate(rope)).view(-1, 3) if rope else None
         return (
             staging.ints(ids),
             staging.ints(np.concatenate(positions)),
+            rope_positions,
             staging.ints(np.concatenate(slots)),
             spans,
             staging.ints(last_rows) if last_rows else None,
@@ -310,21 +323,25 @@ class ModelRunner:
                 )
 
     # ---- the per-chunk prefill (the reference) ----
-    def _prefill_chunks(self, chunks: list[Chunk], ids, positions, slots, spans, last_rows, bans) -> torch.Tensor:
+    def _prefill_chunks(
+        self, chunks: list[Chunk], ids, positions, rope_positions, slots, spans, last_rows, bans
+    ) -> torch.Tensor:
         """Packed chunks -> logits [completing chunks, V] (fp32), EOS banned where min_tokens says."""
         x = self.model.embed_tokens(ids)  # [N, H]
         for c, span in zip(chunks, spans, strict=True):
             self._scatter_features(x, c, span.row)
-        hidden = self._chunks_forward(self.kv, x, positions.long(), slots.long(), spans)
+        rope = positions if rope_positions is None else rope_positions
+        hidden = self._chunks_forward(self.kv, x, positions.long(), slots.long(), spans, rope.long())
         if last_rows is None:
             return hidden.new_zeros(0, self.model.lm_head.out_features, dtype=torch.float32)
         logits = self.model.logits(hidden[last_rows.long()])
         ban_eos(logits, self.eos, bans)
         return logits
 
-    def _chunks_forward(self, kv: PagedKvCache, x: torch.Tensor, positions, slots, spans: list[Span]):
-        """Chunks x [N, H] at `positions` [N], stored at pool positions `slots` [N] of `kv` -> hidden [N, H]."""
-        cos, sin = self.rope[0][positions], self.rope[1][positions]
+    def _chunks_forward(self, kv: PagedKvCache, x: torch.Tensor, positions, slots, spans: list[Span], rope=None):
+        """Chunks x [N, H] at `positions` [N], stored at pool positions `slots` [N] of `kv` -> hidden [N, H].
+        `rope`: the rotary positions where they differ from `positions` ([N, 3] under M-RoPE)."""
+        cos, sin = rope_rows(self.rope, positions if rope is None else rope, self.mrope)
         for i, layer in enumerate(self.model.layers):
             k_pool, v_pool = kv.k[i], kv.v[i]
             q, k, v = self.prefill_in(layer, x, cos, sin, k_pool, v_pool, slots)

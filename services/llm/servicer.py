@@ -37,6 +37,17 @@ from services.model.spec import ModelSpec
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import llm_pb2, llm_pb2_grpc, vision_pb2_grpc
 
+
+def check_grids(tensors: list[torch.Tensor], most: int, hidden: int) -> None:
+    """INVALID_ARGUMENT unless each picture's features are a grid [rows, cols, hidden] of 1..`most` tokens."""
+    for i, t in enumerate(tensors):
+        if t.dim() != 3 or t.shape[2] != hidden or not 0 < t.shape[0] * t.shape[1] <= most:
+            raise InvalidArgument(
+                f"image_features[{i}] has shape {tuple(t.shape)}; this model needs a picture's grid of tokens "
+                f"[rows, cols, {hidden}], at most {most} of them"
+            )
+
+
 log = logging.getLogger(__name__)
 
 FINISH_TO_PB = {Finish.STOP: pb.FINISH_REASON_STOP, Finish.LENGTH: pb.FINISH_REASON_LENGTH}
@@ -69,6 +80,12 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
         # Opens the features' references; hands their leases back to the vision (without one, the TTL does).
         self.consumer = Consumer(engine.device, vision, release_timeout_s=5)
 
+    @property
+    def reads_cached_images(self) -> bool:
+        """Whether it serves a picture by its content key alone: from the prefix cache, where each
+        picture takes a known number of positions (a grid family's depends on the picture)."""
+        return self.engine.reads_cached_images and not self.spec.image_grid
+
     @rpc.stream
     async def Generate(self, request: llm_pb2.LlmGenerateRequest, context: grpc.aio.ServicerContext):
         qos = qos_from_metadata(context.invocation_metadata())
@@ -96,10 +113,13 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
         kinds = sorted({transport_name(r.transport) for r in refs})
         try:
             with telemetry.span("handoff.import", {"transport": ",".join(kinds)}):
-                # Each [image_tokens, hidden]; read in place (CUDA IPC) or copied (SHM, INLINE).
-                features = self.consumer.open(
-                    refs, shape=(self.spec.image_tokens, self.spec.text.hidden), field="image_features"
-                )
+                # Each [image_tokens, hidden] (or a picture's grid [rows, cols, hidden]); read in
+                # place (CUDA IPC) or copied (SHM, INLINE).
+                grid = self.spec.image_grid
+                shape = None if grid else (self.spec.image_tokens, self.spec.text.hidden)
+                features = self.consumer.open(refs, shape=shape, field="image_features")
+                if grid:
+                    check_grids(features.tensors, self.spec.image_tokens, self.spec.text.hidden)
             handoff = time.perf_counter() - t0
             keys = [ref.content_key for ref in refs]
             job = Job(request.request_id, prompt, features.tensors, sampling, qos, keys, request.max_prompt_tokens)
@@ -123,7 +143,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             raise InvalidArgument("send image_features or cached_image_keys, not both")
         if any(len(k) != CONTENT_KEY_BYTES for k in keys):
             raise InvalidArgument(f"cached_image_keys: each is a {CONTENT_KEY_BYTES}-byte TensorRef.content_key")
-        if not self.engine.reads_cached_images:
+        if not self.reads_cached_images:
             raise FeaturesNeeded("this llm serves no image from its cache: send image_features")
         prompt = check_conversation(request.prompt, request.messages, len(keys))
         sampling = check_sampling(request.sampling, self.spec.text.max_context)
@@ -197,7 +217,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             image_tokens=self.spec.image_tokens,
             default_max_tokens=self.default_max_tokens,
             variant=self.variant,
-            reads_cached_images=self.engine.reads_cached_images,
+            reads_cached_images=self.reads_cached_images,
         )
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from services.common.errors import InvalidArgument
 from services.llm.detokenizer import Detokenizer
 from services.llm.interface import Job
 from services.llm.request import Output, Request
+from services.model.mrope import prompt_positions
 from services.model.prompt import PromptBuilder
 
 _ids = itertools.count()
@@ -30,7 +31,11 @@ _ids = itertools.count()
 def new_request(prompts: PromptBuilder, default_max_tokens: int, job: Job, emit: Callable[[Output], None]) -> Request:
     """The engine's Request for a job; INVALID_ARGUMENT if the prompt leaves no room."""
     spec = prompts.spec
-    built = prompts.build(job.prompt, len(job.features))
+    # A picture's features are [tokens, H], or [rows, cols, H] where pictures take positions by
+    # their size: flattened here (a view), the grid kept for the multimodal rotary positions.
+    grids = [(f.shape[0], f.shape[1]) for f in job.features if f.dim() == 3]
+    features = [f.flatten(0, 1) if f.dim() == 3 else f for f in job.features]
+    built = prompts.build(job.prompt, [f.shape[0] for f in features])
     context, used = spec.text.max_context, len(built.ids)
     room = context - used
     sampling = job.sampling
@@ -49,11 +54,18 @@ def new_request(prompts: PromptBuilder, default_max_tokens: int, job: Job, emit:
             f"sampling.max_tokens={sampling.max_tokens} does not fit after this prompt: it takes {used} of the "
             f"model's {context} context tokens, leaving room for at most {room}"
         )
+    mrope, delta = None, 0
+    if spec.text.mrope_section is not None:
+        if len(grids) != len(features):
+            raise InvalidArgument("image_features: this model reads each picture's grid of tokens ([rows, cols, H])")
+        mrope, delta = prompt_positions(used, built.image_positions, grids)
     return Request(
         id=f"{job.request_id or 'req'}#{next(_ids)}",
         prompt_ids=built.ids,
         image_positions=built.image_positions,
-        image_features=job.features,
+        image_features=features,
+        mrope=mrope,
+        rope_delta=delta,
         image_keys=list(job.feature_keys),
         text_tokens=built.text_tokens,
         sampling=sampling,

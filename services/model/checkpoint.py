@@ -1,7 +1,8 @@
 """Load a checkpoint's safetensors into the plain-PyTorch modules, accepting every key layout.
 
 The decoder's keys are the same in every family (`language_model.model.*` or
-`model.language_model.*`, and `lm_head.*` at the top or under `language_model.`); the vision
+`model.language_model.*`, or `model.*` in the hub's Qwen2.5-VL, and `lm_head.*` at the top or
+under `language_model.`); the vision
 side's are the family's to name (`Family.vision_key`).
 """
 
@@ -27,6 +28,7 @@ _TEXT_KEYS = [
     (re.compile(r"^(?:language_model\.|model\.language_model\.)lm_head\.(.*)$"), r"lm_head.\1"),
     (re.compile(r"^lm_head\.(.*)$"), r"lm_head.\1"),
     (re.compile(r"^(?:language_model\.model\.|model\.language_model\.|language_model\.)(.*)$"), r"\1"),
+    (re.compile(r"^model\.((?:embed_tokens|layers|norm)\..*)$"), r"\1"),  # the hub's Qwen2.5-VL
 ]
 
 

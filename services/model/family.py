@@ -116,14 +116,15 @@ class Family(Protocol):
 
 
 # The families' names, which are also the model types they read (`make-tiny-model --family`).
-FAMILY_NAMES = ("llava", "deepseek_vl", "deepseek_vl_hybrid")
+FAMILY_NAMES = ("llava", "deepseek_vl", "deepseek_vl_hybrid", "qwen2_5_vl")
 
 
 def _families() -> list[Family]:
     from services.model.deepseek_vl import DEEPSEEK_VL, DEEPSEEK_VL_HYBRID
     from services.model.llava import LLAVA
+    from services.model.qwen2_5_vl import QWEN2_5_VL
 
-    return [LLAVA, DEEPSEEK_VL, DEEPSEEK_VL_HYBRID]
+    return [LLAVA, DEEPSEEK_VL, DEEPSEEK_VL_HYBRID, QWEN2_5_VL]
 
 
 def model_types() -> list[str]:

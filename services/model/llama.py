@@ -58,6 +58,17 @@ def rope_tables(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> tu
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
+def rope_rows(
+    rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, columns: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, d] of `positions`: [N] (one position a token), or [N, 3] with `columns`
+    (services/model/mrope.py): channel j of token n turns by component columns[j] of its position."""
+    if positions.dim() == 1:
+        return rope[0][positions], rope[1][positions]
+    index = positions[:, columns]  # [N, d]: the position each channel turns by
+    return rope[0].gather(0, index), rope[1].gather(0, index)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, heads, d], cos/sin [N, d] -> x rotated (the half-split convention of Llama)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -68,9 +79,9 @@ class Attention(nn.Module):
     def __init__(self, t: TextSpec) -> None:
         super().__init__()
         self.h, self.g, self.d = t.heads, t.kv_heads, t.head_dim
-        self.q_proj = nn.Linear(t.hidden, t.heads * t.head_dim, bias=False)
-        self.k_proj = nn.Linear(t.hidden, t.kv_heads * t.head_dim, bias=False)
-        self.v_proj = nn.Linear(t.hidden, t.kv_heads * t.head_dim, bias=False)
+        self.q_proj = nn.Linear(t.hidden, t.heads * t.head_dim, bias=t.qkv_bias)
+        self.k_proj = nn.Linear(t.hidden, t.kv_heads * t.head_dim, bias=t.qkv_bias)
+        self.v_proj = nn.Linear(t.hidden, t.kv_heads * t.head_dim, bias=t.qkv_bias)
         self.o_proj = nn.Linear(t.heads * t.head_dim, t.hidden, bias=False)
 
     def fuse(self) -> None:

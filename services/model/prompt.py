@@ -55,7 +55,7 @@ class PromptIds:
 
 
 class PromptBuilder:
-    """Applies the chat template and expands each image placeholder to `image_tokens` positions."""
+    """Applies the chat template and expands each image placeholder to its picture's positions."""
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
@@ -80,13 +80,16 @@ class PromptBuilder:
             list(messages), chat_template=self.template, add_generation_prompt=True, tokenize=False
         )
 
-    def build(self, prompt: str | Sequence[dict], n_images: int) -> PromptIds:
+    def build(self, prompt: str | Sequence[dict], images: int | Sequence[int]) -> PromptIds:
+        """`images`: how many pictures, each `spec.image_tokens` positions; or each one's positions."""
+        per_image = [self.spec.image_tokens] * images if isinstance(images, int) else list(images)
+        n_images = len(per_image)
         text = self.render(prompt, n_images)
         # As transformers' processors do: the tokenizer adds its special tokens (BOS) unless the
         # template already wrote BOS (LLaVA's writes it, DeepSeek's leaves it to the tokenizer).
         bos = self.tokenizer.bos_token
         raw = self.tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
-        image_id, per_image = self.spec.image_token_id, self.spec.image_tokens
+        image_id = self.spec.image_token_id
         found = raw.count(image_id)
         if found != n_images:
             raise InvalidArgument(
@@ -98,7 +101,7 @@ class PromptBuilder:
         for tok in raw:
             if tok == image_id:
                 positions.append(len(ids))
-                ids.extend([image_id] * per_image)
+                ids.extend([image_id] * per_image[len(positions) - 1])
             else:
                 ids.append(tok)
         return PromptIds(ids=ids, image_positions=positions, text_tokens=len(raw) - found)

@@ -8,9 +8,9 @@ picture; the merger folds each 2x2 block of patches into one token of the decode
 picture of h x w px (after the resize) is (h/28)(w/28) tokens. Several pictures travel packed
 along one axis, each attending only to itself.
 
-Not yet a served family: the decoder's multimodal rotary positions and features of varying
-length through the mesh come next (issue 43); this module holds what is checked against
-transformers so far, the preprocessing and the tower.
+The decoder is Qwen2 (llama.py with q/k/v biases) with multimodal rotary positions
+(services/model/mrope.py), which read each picture's grid: the tower hands its features on as
+[rows, cols, H] (`ModelSpec.image_grid`).
 Shapes: N patches of all pictures packed, D = ViT width, P = C*T*p*p values a patch, H = text width.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -30,7 +31,11 @@ from torch import nn
 
 from services.common.errors import InvalidArgument
 from services.model import resample
+from services.model.family import rename_key
 from services.model.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, image_processor_json, normalize, rgb_tensor
+from services.model.spec import ModelSpec, text_spec
+
+PLACEHOLDER = "<|image_pad|>"
 
 # --- preprocessing ---------------------------------------------------------------------------
 
@@ -124,7 +129,8 @@ class QwenProcessor:
         return x.reshape(gh * gw, c * t * p * p)
 
     def tower_inputs(self, batch: Sequence[tuple[torch.Tensor, ...]], device: torch.device) -> tuple[torch.Tensor, ...]:
-        """-> (patches [N, P] float32, grid [n, 3] int64), on `device`."""
+        """-> (patches [N, P] float32 on `device`, grid [n, 3] int64 on the host: the tower lays
+        its windows out from it without a sync)."""
         patches, grids = [], []
         for (px,) in batch:
             px = px.to(device, non_blocking=True)
@@ -133,7 +139,7 @@ class QwenProcessor:
                 px = resample.resize(px, w, h, self.cfg.resample)
             patches.append(self._patches(px))
             grids.append((1, px.shape[0] // self.cfg.patch_size, px.shape[1] // self.cfg.patch_size))
-        return torch.cat(patches), torch.tensor(grids, dtype=torch.long, device=device)
+        return torch.cat(patches), torch.tensor(grids, dtype=torch.long)
 
     def salt(self) -> tuple:
         return tuple(vars(self.cfg).values())
@@ -275,7 +281,8 @@ def layout(grids: tuple[tuple[int, int, int], ...], merge: int, window: int) -> 
 class QwenVisionTower(nn.Module):
     """Packed patches [N, P] of pictures with grids [n, 3] -> their tokens [N / m^2, H], picture after picture.
 
-    Module names are transformers' (`visual.*`), so the checkpoint loads as it is saved.
+    Module names are transformers' (`visual.*`), so the checkpoint loads as it is saved. Shapes
+    vary with the pictures, so it runs eagerly (no CUDA graphs: `input_shapes` is None).
     """
 
     def __init__(self, vc) -> None:
@@ -284,12 +291,8 @@ class QwenVisionTower(nn.Module):
         self.window = vc.window_size // vc.spatial_merge_size // vc.patch_size
         self.full = frozenset(vc.fullatt_block_indexes)
         self.patch_embed = PatchEmbed(vc)
-        head_dim = vc.hidden_size // vc.num_heads
-        theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        spatial = head_dim // 2  # half the channels rotate by the row, half by the column
-        self.register_buffer(
-            "inv_freq", 1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial), persistent=False
-        )
+        self.theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        self.spatial = vc.hidden_size // vc.num_heads // 2  # half the channels turn by the row, half by the column
         self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
         self.merger = PatchMerger(vc.out_hidden_size, vc.hidden_size, vc.spatial_merge_size)
 
@@ -301,10 +304,93 @@ class QwenVisionTower(nn.Module):
         x = self.patch_embed(patches)  # [N, D]
         n = x.shape[0]
         x = x.view(n // unit, unit, -1)[order].reshape(n, -1)  # windows contiguous
-        freqs = lay.rows_cols.to(patches.device)[..., None].float() * self.inv_freq  # [N, 2, hd/4]
+        # Computed here, not a buffer: the loader builds the module on meta and fills only weights.
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.spatial, 2, device=x.device).float() / self.spatial)
+        freqs = lay.rows_cols.to(patches.device)[..., None].float() * inv_freq  # [N, 2, hd/4]
         freqs = freqs.flatten(1).view(n // unit, unit, -1)[order].reshape(n, -1)  # [N, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos(), emb.sin()
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, lay.cu_pictures if i in self.full else lay.cu_windows)
         return self.merger(x)[torch.argsort(order)]  # back to picture order
+
+    def input_shapes(self) -> None:
+        return None
+
+    def pictures(self, patches: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
+        """The tokens of each picture as its grid [rows, cols, H] (what the mesh hands on)."""
+        out = self(patches, grid)
+        shapes = [(t * h // self.merge, w // self.merge) for t, h, w in grid.tolist()]
+        return [x.view(r, c, -1) for x, (r, c) in zip(out.split([r * c for r, c in shapes]), shapes, strict=True)]
+
+
+# --- the family ------------------------------------------------------------------------------
+
+# transformers 5.x saves `model.visual.*`; the hub's checkpoints `visual.*`.
+_VISION_KEYS = [(re.compile(r"^(?:model\.)?visual\.(.*)$"), r"\1")]
+
+
+@dataclass(frozen=True)
+class QwenVision:
+    config: object  # transformers' Qwen2_5_VLVisionConfig
+    images: QwenImageConfig
+
+
+class Qwen25VL:
+    name = "qwen2_5_vl"
+    model_types = ("qwen2_5_vl",)
+
+    def read_spec(self, path: Path, cfg: object, model_id: str) -> ModelSpec:
+        where = f"{path}/config.json"
+        vc = cfg.vision_config  # type: ignore[attr-defined]
+        text = text_spec(path, cfg)
+        if text.mrope_section is None:
+            raise InvalidArgument(f"{where}: text_config.rope_parameters has no mrope_section (Qwen2.5-VL's M-RoPE)")
+        if vc.out_hidden_size != text.hidden:
+            raise InvalidArgument(
+                f"{where}: vision_config.out_hidden_size {vc.out_hidden_size} differs from the decoder's {text.hidden}"
+            )
+        unit = vc.patch_size * vc.spatial_merge_size
+        if vc.window_size % unit:
+            raise InvalidArgument(f"{where}: vision_config.window_size {vc.window_size} is not a multiple of {unit}")
+        images = QwenImageConfig.load(path)
+        if images.patch_size != vc.patch_size or images.merge_size != vc.spatial_merge_size:
+            raise InvalidArgument(
+                f"{path}/preprocessor_config.json: patch_size {images.patch_size} / merge_size {images.merge_size} "
+                f"differ from the vision tower's {vc.patch_size} / {vc.spatial_merge_size}"
+            )
+        return ModelSpec(
+            model_dir=path,
+            model_id=model_id,
+            family=self.name,
+            text=text,
+            image_token_id=cfg.image_token_id,  # type: ignore[attr-defined]
+            placeholder=PLACEHOLDER,
+            image_tokens=images.max_pixels // (images.factor * images.factor),
+            vision=QwenVision(config=vc, images=images),
+            hf_config=cfg,
+            image_grid=True,
+        )
+
+    def vision_key(self, key: str) -> str | None:
+        return rename_key(_VISION_KEYS, key)
+
+    def build_tower(self, spec: ModelSpec) -> nn.Module:
+        return QwenVisionTower(spec.vision.config)  # type: ignore[attr-defined]
+
+    def prepare_tower(self, tower: nn.Module) -> None:
+        pass  # it runs as loaded
+
+    def image_processor(self, spec: ModelSpec, resize_on: torch.device | None = None) -> QwenProcessor:
+        return QwenProcessor(spec.vision.images, resize_on)  # type: ignore[attr-defined]
+
+    def write_tiny(self, out_dir: Path, seed: int) -> Path:
+        from services.model.tiny import build_tiny_qwen2_5_vl
+
+        return build_tiny_qwen2_5_vl(out_dir, seed=seed)
+
+    def write_preset(self, out_dir: Path, name: str) -> None:
+        raise InvalidArgument(f"no preset of the {self.name} family exists yet ({name!r})")
+
+
+QWEN2_5_VL = Qwen25VL()

@@ -71,6 +71,10 @@ class TextSpec:
     tie_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    qkv_bias: bool = False  # Qwen2: q/k/v projections with a bias
+    # Multimodal RoPE (Qwen2.5-VL): the rotary channels' split between a position's (t, h, w)
+    # components, in frequency pairs; None for plain RoPE.
+    mrope_section: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -83,9 +87,12 @@ class ModelSpec:
     text: TextSpec
     image_token_id: int
     placeholder: str  # the tokenizer's image placeholder token ("<image>", "<image_placeholder>")
-    image_tokens: int  # feature positions per image
+    image_tokens: int  # feature positions per image; where they vary, the most one image takes
     vision: object  # the family's own description of its tower(s)
     hf_config: object  # the transformers config, for rope set-up of non-default types
+    # Pictures take positions by their size: features travel as [rows, cols, H], their grid of
+    # tokens (M-RoPE reads it); otherwise as [image_tokens, H].
+    image_grid: bool = False
 
 
 def _eos_ids(value: object) -> tuple[int, ...]:
@@ -107,13 +114,23 @@ def text_spec(path: Path, cfg: object) -> TextSpec:
     from transformers import GenerationConfig
 
     tc = cfg.text_config  # type: ignore[attr-defined]
-    if tc.model_type not in ("llama", "mistral"):
+    qwen = tc.model_type in ("qwen2", "qwen2_5_vl_text")
+    if tc.model_type not in ("llama", "mistral") and not qwen:
         raise InvalidArgument(
-            f"{path}/config.json: text_config.model_type {tc.model_type!r} is not supported (Llama family)"
+            f"{path}/config.json: text_config.model_type {tc.model_type!r} is not supported (Llama family, Qwen2)"
         )
     rope = getattr(tc, "rope_parameters", None) or {}
+    mrope = rope.get("mrope_section") if tc.model_type == "qwen2_5_vl_text" else None
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    if mrope is not None and (len(mrope) != 3 or sum(mrope) != head_dim // 2):
+        raise InvalidArgument(
+            f"{path}/config.json: text_config.rope_parameters.mrope_section {mrope} must be 3 parts "
+            f"summing to head_dim / 2 = {head_dim // 2}"
+        )
     rope_theta = float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", "default")
+    if rope_type == "mrope":  # older Qwen2.5-VL configs name M-RoPE as a type; its frequencies are the default's
+        rope_type = "default"
     if "dynamic" in rope_type:
         raise InvalidArgument(f"{path}/config.json: rope_type {rope_type!r} (length-dependent) is not supported")
     eos = getattr(tc, "eos_token_id", None)
@@ -122,7 +139,6 @@ def text_spec(path: Path, cfg: object) -> TextSpec:
         eos = gen.eos_token_id if gen.eos_token_id is not None else eos
     except OSError:
         pass
-    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     return TextSpec(
         hidden=tc.hidden_size,
         intermediate=tc.intermediate_size,
@@ -135,9 +151,11 @@ def text_spec(path: Path, cfg: object) -> TextSpec:
         rope_theta=rope_theta,
         rope_type=rope_type,
         eps=tc.rms_norm_eps,
-        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False) or tc.tie_word_embeddings),
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False)),
         bos_token_id=getattr(tc, "bos_token_id", None),
         eos_token_ids=_eos_ids(eos),
+        qkv_bias=qwen,
+        mrope_section=tuple(mrope) if mrope is not None else None,
     )
 
 

@@ -34,7 +34,7 @@ class VisionEncoder:
         resize_on = self.device if gpu_resize and self.device.type == "cuda" else None
         self.processor = family_of(spec).image_processor(spec, resize_on)
         self.graphed: GraphedTower | None = None
-        if graphs_up_to and self.device.type == "cuda":
+        if graphs_up_to and self.device.type == "cuda" and not spec.image_grid:  # pictures of one shape only
             shapes = self.tower.input_shapes()  # type: ignore[operator]
             out = (spec.image_tokens, spec.text.hidden)
             self.graphed = GraphedTower(self.tower, graphs_up_to, shapes, out, self.dtype).capture()
@@ -56,13 +56,17 @@ class VisionEncoder:
         return self.processor.pixels(img, name)
 
     @torch.inference_mode()
-    def encode(self, batch: Sequence[Pixels]) -> torch.Tensor:
-        """Pictures' pixels -> features [B, image_tokens, H] on the encoder's device.
+    def encode(self, batch: Sequence[Pixels]) -> torch.Tensor | list[torch.Tensor]:
+        """Pictures' pixels -> features on the encoder's device: [B, image_tokens, H], or where
+        pictures take positions by their size (`spec.image_grid`) one [rows, cols, H] each.
 
         The pixels cross to the device as uint8 and are normalised there (a quarter of the bytes
         of float32 pixels, and no float work on the preprocessing threads).
         """
-        x = [p.to(self.dtype) for p in self.processor.tower_inputs(batch, self.device)]  # [B, 3, S, S] per input
+        inputs = self.processor.tower_inputs(batch, self.device)  # [B, 3, S, S] per input, or patches and grids
+        x = [p.to(self.dtype) if p.is_floating_point() else p for p in inputs]
+        if self.spec.image_grid:
+            return self.tower.pictures(*x)  # type: ignore[operator]
         if self.graphed is not None and len(batch) <= self.graphed.max_batch:
             return self.graphed(*x)
         return self.tower(*x)

@@ -89,7 +89,7 @@ def test_the_registry_names_what_it_serves(tmp_path):
         family_for("qwen2_vl", tmp_path / "config.json")
     assert err.value.message == (
         f"{tmp_path}/config.json: model_type 'qwen2_vl' is not one vlmesh serves "
-        "(it serves llava, deepseek_vl, deepseek_vl_hybrid)"
+        "(it serves llava, deepseek_vl, deepseek_vl_hybrid, qwen2_5_vl)"
     )
 
 

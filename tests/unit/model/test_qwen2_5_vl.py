@@ -15,13 +15,6 @@ from services.model.qwen2_5_vl import QwenImageConfig, QwenProcessor, QwenVision
 SIZES = [(20, 30), (60, 90), (224, 224), (300, 120), (512, 512), (37, 400)]
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen(tmp_path_factory):
-    from services.model.tiny import build_tiny_qwen2_5_vl
-
-    return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny-qwen2.5-vl"))
-
-
 def picture(seed: int, h: int, w: int, mode: str = "RGB") -> Image.Image:
     arr = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
     return Image.fromarray(arr).convert(mode)
@@ -74,3 +67,37 @@ def test_the_tower_gives_transformers_image_features(tiny_qwen):
     assert (first.mean(0) - second.mean(0)).abs().mean() > 0.05 * got.abs().mean()  # the pictures matter
     alone = tower(*proc.tower_inputs([proc.pixels(imgs[1], "x")], torch.device("cpu")))
     torch.testing.assert_close(alone, second, atol=2e-5, rtol=1e-5)  # packing does not mix pictures
+
+
+def test_prompt_positions_equal_transformers_rope_index(tiny_qwen):
+    """M-RoPE positions of a prompt with three pictures (services/model/mrope.py) equal
+    transformers' get_rope_index, the delta after the prompt too."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from services.model.mrope import prompt_positions
+    from tests.helpers import hf_inputs, image_bytes
+
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_qwen, dtype=torch.float32).eval()
+    pictures = [image_bytes(1, (60, 40)), image_bytes(2, (300, 90)), image_bytes(3, (90, 300))]
+    inputs = hf_inputs(tiny_qwen, pictures, "Compare the pictures.")
+    want, want_delta = hf.model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"]
+    )
+    ids = inputs["input_ids"][0].tolist()
+    image = hf.config.image_token_id
+    starts = [i for i, t in enumerate(ids) if t == image and (i == 0 or ids[i - 1] != image)]
+    grids = [(h // 2, w // 2) for _, h, w in inputs["image_grid_thw"].tolist()]
+    got, delta = prompt_positions(len(ids), starts, grids)
+    np.testing.assert_array_equal(got, want[:, 0].numpy())
+    assert delta == int(want_delta) != 0
+
+
+def test_the_vllm_engine_is_refused_with_its_reason(tiny_qwen):
+    from services.llm.engines import check_engine
+    from services.model.spec import load_spec
+
+    spec = load_spec(tiny_qwen)
+    assert spec.image_grid and spec.text.qkv_bias and spec.text.mrope_section == (2, 3, 3)
+    check_engine("native", spec)
+    with pytest.raises(InvalidArgument, match="--llm-engine vllm cannot serve qwen2_5_vl.*M-RoPE"):
+        check_engine("vllm", spec)
