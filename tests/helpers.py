@@ -262,7 +262,6 @@ def _qwen_inputs(model_dir, pictures: list[bytes], prompt: str):
     """What Qwen2_5_VLProcessor computes (it cannot be built without torchvision's video processor):
     the chat template, each <|image_pad|> repeated for its picture's tokens, the PIL image
     processor's patches and grids, and the token types M-RoPE reads."""
-    import torch
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 

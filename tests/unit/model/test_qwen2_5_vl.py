@@ -99,5 +99,5 @@ def test_the_vllm_engine_is_refused_with_its_reason(tiny_qwen):
     spec = load_spec(tiny_qwen)
     assert spec.image_grid and spec.text.qkv_bias and spec.text.mrope_section == (2, 3, 3)
     check_engine("native", spec)
-    with pytest.raises(InvalidArgument, match="--llm-engine vllm cannot serve qwen2_5_vl.*M-RoPE"):
+    with pytest.raises(InvalidArgument, match=r"--llm-engine vllm cannot serve qwen2_5_vl.*M-RoPE"):
         check_engine("vllm", spec)
