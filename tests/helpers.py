@@ -258,7 +258,7 @@ def hf_inputs(model_dir, data: bytes | list[bytes], prompt: str):
     return proc(images=images if len(images) > 1 else images[0], text=text, return_tensors="pt", **kwargs)
 
 
-def _qwen_inputs(model_dir, pictures: list[bytes], prompt: str):
+def _qwen_inputs(model_dir, pictures: list[bytes], prompt: str | list[dict]):
     """What Qwen2_5_VLProcessor computes (it cannot be built without torchvision's video processor):
     the chat template, each <|image_pad|> repeated for its picture's tokens, the PIL image
     processor's patches and grids, and the token types M-RoPE reads."""
@@ -269,8 +269,9 @@ def _qwen_inputs(model_dir, pictures: list[bytes], prompt: str):
     images = Qwen2VLImageProcessorPil.from_pretrained(model_dir)(
         images=[Image.open(io.BytesIO(d)).convert("RGB") for d in pictures], return_tensors="pt"
     )
-    content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": prompt}]
-    text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+    if isinstance(prompt, str):  # one user turn, its pictures first; else a conversation as the template takes it
+        prompt = [{"role": "user", "content": [{"type": "image"} for _ in pictures] + [{"type": "text", "text": prompt}]}]
+    text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     parts = text.split("<|image_pad|>")
     counts = (images["image_grid_thw"].prod(-1) // 4).tolist()
     text = parts[0] + "".join("<|image_pad|>" * n + rest for n, rest in zip(counts, parts[1:], strict=True))

@@ -89,3 +89,35 @@ def test_the_openai_door_answers_as_the_grpc_door(mesh):
         )
     assert got.choices[0].message.content == want.text
     assert got.usage.prompt_tokens == want.usage.prompt_tokens + want.usage.image_tokens
+
+
+def test_a_conversation_with_pictures_in_two_turns_matches_transformers(mesh, tiny_qwen):
+    first, second = PICTURES[1], PICTURES[2]
+    turns = [
+        ("user", [pb.ContentPart(image=True), pb.ContentPart(text="What is in this picture?")]),
+        ("assistant", [pb.ContentPart(text="Some noise.")]),
+        ("user", [pb.ContentPart(text="And here?"), pb.ContentPart(image=True)]),
+    ]
+    req = gateway_pb2.GenerateRequest(
+        images=[pb.Image(data=first), pb.Image(data=second)],
+        messages=[pb.ChatMessage(role=role, content=content) for role, content in turns],
+        sampling=pb.SamplingParams(max_tokens=12, min_tokens=12),
+    )
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:
+        result = gateway_pb2_grpc.GatewayStub(channel).GenerateUnary(req, timeout=120)
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Some noise."}]},
+        {"role": "user", "content": [{"type": "text", "text": "And here?"}, {"type": "image"}]},
+    ]
+    assert list(result.token_ids) == hf_greedy(tiny_qwen, [first, second], messages, 12)
+
+
+def test_a_sliver_of_a_picture_is_refused_naming_it_and_the_mesh_serves_on(mesh):
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            ask(stub, [PICTURES[0], image_bytes(3, (2000, 5))], "What is it?")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "images[1] is 2000x5: an aspect ratio over 200 is refused" in err.value.details()
+        assert len(ask(stub, [PICTURES[0]], "What is it?").token_ids) == 12
