@@ -270,7 +270,8 @@ def _qwen_inputs(model_dir, pictures: list[bytes], prompt: str | list[dict]):
         images=[Image.open(io.BytesIO(d)).convert("RGB") for d in pictures], return_tensors="pt"
     )
     if isinstance(prompt, str):  # one user turn, its pictures first; else a conversation as the template takes it
-        prompt = [{"role": "user", "content": [{"type": "image"} for _ in pictures] + [{"type": "text", "text": prompt}]}]
+        content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": prompt}]
+        prompt = [{"role": "user", "content": content}]
     text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     parts = text.split("<|image_pad|>")
     counts = (images["image_grid_thw"].prod(-1) // 4).tolist()
