@@ -212,7 +212,11 @@ class GatewayConfig:
         "router in front of several variants (Istio, Envoy) takes it there (default: none, for a "
         "--degrade-target that is that variant's own gateway)",
     )
-    max_images: int = flag("--max-images", default=1, help="images per request (default %(default)s)")
+    max_images: int = flag(
+        "--max-images",
+        default=4,
+        help="pictures one request may send, each one placeholder in the prompt (default %(default)s)",
+    )
     skip_cached_encode: bool = flag(
         "--skip-cached-encode",
         default=True,

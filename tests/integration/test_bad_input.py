@@ -31,7 +31,7 @@ BAD = {
     "truncated png": (request(images=[pb.Image(data=GOOD_IMAGE[:60])]), "not a readable image"),
     "empty image": (request(images=[pb.Image(data=b"")]), "images[0].data is empty"),
     "no image": (request(images=[]), "one image is required"),
-    "two images": (request(images=[pb.Image(data=GOOD_IMAGE)] * 2), "takes at most 1"),
+    "five images": (request(images=[pb.Image(data=GOOD_IMAGE)] * 5), "takes at most 4"),
     "empty prompt": (request(prompt=""), "prompt is empty"),
     "blank prompt": (request(prompt="   \n"), "prompt is empty"),
     "max_tokens 0": (request(sampling=pb.SamplingParams(max_tokens=0)), "max_tokens=0 is out of range"),

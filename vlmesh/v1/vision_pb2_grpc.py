@@ -56,7 +56,8 @@ class VisionServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Encode(self, request, context):
-        """Encodes each image into [image_tokens, hidden] features, written into the
+        """Encodes each image into [image_tokens, hidden] features (or, where pictures take
+        positions by their size, its grid [rows, cols, hidden]), written into the
         producer's arena and leased to the caller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
