@@ -74,6 +74,35 @@ PRESETS: dict[str, dict] = {
             "patch_size": 16,
         },
     ),
+    # Qwen2.5-VL-7B-Instruct: a 32-layer ViT (1280 wide, 14-px patches, windows of 112 px, full
+    # attention in layers 7, 15, 23, 31), the 2x2 merger to 3584; Qwen2-7B (28 layers, 28 heads,
+    # 4 KV heads, vocabulary 152064) with M-RoPE (16, 24, 24). Pictures up to 28*28*1280 px
+    # (1280 tokens, the size the model card suggests for serving), not the processor's 16384.
+    "qwen2.5-vl-7b-shaped": {
+        "family": "qwen2_5_vl",
+        "vision": {
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "patch_size": 14,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+            "out_hidden_size": 3584,
+        },
+        "text": {
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "vocab_size": 152064,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+        },
+        "max_pixels": 28 * 28 * 1280,
+    },
 }
 
 

@@ -390,7 +390,9 @@ class Qwen25VL:
         return build_tiny_qwen2_5_vl(out_dir, seed=seed)
 
     def write_preset(self, out_dir: Path, name: str) -> None:
-        raise InvalidArgument(f"no preset of the {self.name} family exists yet ({name!r})")
+        from services.model.tiny import write_qwen_preset
+
+        write_qwen_preset(out_dir, name)
 
 
 QWEN2_5_VL = Qwen25VL()

@@ -120,6 +120,11 @@ def build_preset_checkpoint(out_dir: str | Path, preset: str, text_layers: int, 
     from services.model.presets import PRESETS
 
     entry = PRESETS[preset]
+    if entry["family"] == "qwen2_5_vl":  # the last vision layer a full-attention one
+        vision = {**entry["vision"], "depth": vision_layers, "fullatt_block_indexes": [vision_layers - 1]}
+        text = {k: v for k, v in entry["text"].items() if k != "vocab_size"}
+        text["num_hidden_layers"] = text_layers
+        return build_qwen(out_dir, vision, text, seed, entry["max_pixels"], text_vocab=entry["text"]["vocab_size"])
     vision = {**entry["vision"], "num_hidden_layers": vision_layers}
     text = {**entry["text"], "num_hidden_layers": text_layers}
     vocab = text.pop("vocab_size")
@@ -389,54 +394,91 @@ def build_tiny_qwen2_5_vl(out_dir: str | Path, seed: int = 0, context: int = 102
     """A random tiny Qwen2.5-VL: a 4-layer ViT (14-px patches, windows of 56 px so that small
     pictures span several, full attention in layers 1 and 3), pictures of 56x56 to 28*28*64 px
     (4 to 64 tokens), a 2-layer Qwen2 decoder with M-RoPE sections (2, 3, 3)."""
-    import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    text = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": context,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    }
+    vision = {
+        "depth": 4,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": 14,
+        "window_size": 56,
+        "fullatt_block_indexes": [1, 3],
+        "out_hidden_size": 64,
+    }
+    return build_qwen(out_dir, vision, text, seed, max_pixels=28 * 28 * 64)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(
-        out, 384, template=QWEN_TEMPLATE, bos="<|endoftext|>", eos="<|im_end|>", pad="<|endoftext|>",
+
+def _qwen_tokenizer(out: Path, vocab_size: int):
+    return build_tokenizer(
+        out, vocab_size, template=QWEN_TEMPLATE, bos="<|endoftext|>", eos="<|im_end|>", pad="<|endoftext|>",
         image="<|image_pad|>", extra=QWEN_SPECIALS,
     )  # fmt: skip
+
+
+def _qwen_config(tok, vision: dict, text: dict):
+    from transformers import Qwen2_5_VLConfig
+
     ids = {name: tok.convert_tokens_to_ids(t) for name, t in [
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
     ]}  # fmt: skip
-    config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tok),
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": context,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-            "bos_token_id": tok.bos_token_id,
-            "eos_token_id": tok.eos_token_id,
-            "pad_token_id": tok.pad_token_id,
-        },
-        vision_config={
-            "depth": 4,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "patch_size": 14,
-            "window_size": 56,
-            "fullatt_block_indexes": [1, 3],
-            "out_hidden_size": 64,
-        },
+    special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    return Qwen2_5_VLConfig(
+        text_config={"vocab_size": len(tok), **text, **special},
+        vision_config=vision,
         tie_word_embeddings=False,
         **ids,
     )
+
+
+def _qwen_processor(out: Path, max_pixels: int) -> None:
+    """The image processor alone: transformers' Qwen2_5_VLProcessor also wants a video processor,
+    which needs torchvision (tests/helpers.py builds the processor's work from these parts)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=max_pixels).save_pretrained(out)
+
+
+def build_qwen(
+    out_dir: str | Path, vision: dict, text: dict, seed: int, max_pixels: int, text_vocab: int | None = None
+) -> Path:
+    """Write a random Qwen2.5-VL checkpoint (`vision`: its ViT's config, `text`: Qwen2's); pictures
+    up to `max_pixels`; `text_vocab` as in build_llava."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _qwen_tokenizer(out, 384)
+    config = _qwen_config(tok, vision, text)
+    if text_vocab:
+        config.text_config.vocab_size = text_vocab
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
     widen_init(model)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
-    # The image processor alone: transformers' Qwen2_5_VLProcessor also wants a video processor,
-    # which needs torchvision (tests/helpers.py builds the processor from these parts).
-    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 64).save_pretrained(out)
+    _qwen_processor(out, max_pixels)
     return out
+
+
+def write_qwen_preset(out_dir: Path, name: str) -> None:
+    """A preset's config, tokenizer and image processor (presets.py writes no weights)."""
+    from services.model.presets import PRESETS
+
+    preset = PRESETS[name]
+    tok = _qwen_tokenizer(out_dir, 1000)
+    text = {k: v for k, v in preset["text"].items() if k != "vocab_size"}
+    config = _qwen_config(tok, preset["vision"], text)
+    config.text_config.vocab_size = preset["text"]["vocab_size"]
+    config.save_pretrained(out_dir)
+    _qwen_processor(out_dir, preset["max_pixels"])
