@@ -190,13 +190,44 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: Sequence[int]) -> torch.Tensor:
-    """Attention of each segment [cu[i], cu[i+1]) to itself alone. q, k, v [N, heads, hd] -> [N, heads, hd]."""
-    out = []
-    for a, b in itertools.pairwise(cu):
-        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [heads, len, hd]
-        out.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1))
-    return torch.cat(out)
+@dataclass(frozen=True)
+class Segments:
+    """Runs of tokens that attend only among themselves: windows, or whole pictures."""
+
+    bounds: tuple[int, ...]  # [cu[i], cu[i+1]) is segment i
+    index: torch.Tensor  # [S, L] long: segment i's tokens, padded (with its last) to the longest, L
+    valid: torch.Tensor  # [S, L] bool: which of them are its own
+
+    @classmethod
+    def of(cls, bounds: Sequence[int]) -> Segments:
+        cu = torch.tensor(bounds)
+        lengths = cu[1:] - cu[:-1]
+        span = torch.arange(int(lengths.max()))
+        valid = span[None] < lengths[:, None]
+        index = torch.minimum(cu[:-1, None] + span[None], cu[1:, None] - 1)
+        return cls(tuple(bounds), index, valid)
+
+    def on(self, device: torch.device) -> Segments:
+        return Segments(self.bounds, self.index.to(device), self.valid.to(device))
+
+
+# Up to this many segments run one SDPA each; more (the windows) run as one padded batch, keys
+# past a segment's end masked. A picture's windows are many and alike in length, its full-
+# attention segments few and of any length.
+LOOP_SEGMENTS = 4
+
+
+def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """Attention of each segment to itself alone. q, k, v [N, heads, hd] -> [N, heads, hd]."""
+    if len(seg.bounds) - 1 <= LOOP_SEGMENTS:
+        out = []
+        for a, b in itertools.pairwise(seg.bounds):
+            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [heads, len, hd]
+            out.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1))
+        return torch.cat(out)
+    qs, ks, vs = (t[seg.index].transpose(1, 2) for t in (q, k, v))  # [S, heads, L, hd]
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.valid[:, None, None, :])
+    return o.transpose(1, 2)[seg.valid]  # the segments' own rows, in order: [N, heads, hd]
 
 
 class VisionAttention(nn.Module):
@@ -206,13 +237,13 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, dim * 3)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: Sequence[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).reshape(n, 3, self.heads, -1).unbind(1)  # [N, heads, hd] each
         cos, sin = cos[:, None], sin[:, None]  # [N, 1, hd], float32: the rotation runs in float32
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
-        return self.proj(attend_segments(q, k, v, cu).reshape(n, -1))
+        return self.proj(attend_segments(q, k, v, seg).reshape(n, -1))
 
 
 class VisionBlock(nn.Module):
@@ -223,8 +254,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(vc.hidden_size, vc.num_heads)
         self.mlp = MLP(vc.hidden_size, vc.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu: Sequence[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, seg)
         return x + self.mlp(self.norm2(x))
 
 
@@ -248,8 +279,8 @@ class Layout:
 
     rows_cols: torch.Tensor  # [N, 2] in the packed (merge) order
     window_index: torch.Tensor  # [N / m^2]: merged units in window order
-    cu_windows: tuple[int, ...]  # segment bounds of the windowed layers, in window order
-    cu_pictures: tuple[int, ...]  # segment bounds of the full-attention layers (one per picture)
+    windows: Segments  # the windowed layers' segments, in window order
+    pictures: Segments  # the full-attention layers' (one a picture)
 
 
 @lru_cache(maxsize=256)
@@ -275,7 +306,7 @@ def layout(grids: tuple[tuple[int, int, int], ...], merge: int, window: int) -> 
                 cu_windows.append(cu_windows[-1] + size * merge * merge)
         cu_pictures.extend(cu_pictures[-1] + (i + 1) * h * w for i in range(t))
         base += t * mh * mw
-    return Layout(torch.cat(rows_cols), torch.cat(window_index), tuple(cu_windows), tuple(cu_pictures))
+    return Layout(torch.cat(rows_cols), torch.cat(window_index), Segments.of(cu_windows), Segments.of(cu_pictures))
 
 
 class QwenVisionTower(nn.Module):
@@ -310,8 +341,9 @@ class QwenVisionTower(nn.Module):
         freqs = freqs.flatten(1).view(n // unit, unit, -1)[order].reshape(n, -1)  # [N, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos(), emb.sin()
+        windows, pictures = lay.windows.on(x.device), lay.pictures.on(x.device)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, lay.cu_pictures if i in self.full else lay.cu_windows)
+            x = block(x, cos, sin, pictures if i in self.full else windows)
         return self.merger(x)[torch.argsort(order)]  # back to picture order
 
     def input_shapes(self) -> None:
