@@ -392,12 +392,11 @@ class Parts:
         import hashlib
 
         from services.common.validation import check_sampling
-        from services.llm.detokenizer import Detokenizer
-        from services.llm.request import Request
+        from services.llm.interface import Job
+        from services.llm.submit import new_request
 
         data = image_bytes(image) if isinstance(image, int) else image
         feats = self.vision.encode([self.vision.pixels(data)])[0]
-        built = self.prompts.build(prompt, 1)
         s = check_sampling(pb.SamplingParams(**sampling), 512)
         done = threading.Event()
         box = {"ids": [], "text": "", "finish": None, "done": done}
@@ -410,19 +409,9 @@ class Parts:
                 done.set()
 
         self._n += 1
-        req = Request(
-            id=f"r{self._n}",
-            prompt_ids=built.ids,
-            image_positions=built.image_positions,
-            image_features=[feats],
-            text_tokens=built.text_tokens,
-            sampling=s,
-            max_new=s.max_tokens or 64,
-            qos=qos,
-            detok=Detokenizer(self.prompts.tokenizer, s.stop),
-            emit=emit,
-            image_keys=[hashlib.blake2b(data, digest_size=16).digest()],
-        )
+        key = hashlib.blake2b(data, digest_size=16).digest()
+        req = new_request(self.prompts, 64, Job(f"r{self._n}", prompt, [feats], s, qos, [key]), emit)
+        req.id = f"r{self._n}"
         return req, box
 
     def run(self, *pairs) -> None:
