@@ -245,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     from services.model.presets import resolve_model
     from services.model.prompt import load_tokenizer
 
+    several = [w for w in workloads if WORKLOADS[w].images > 1]
+    one_picture = [t for t in targets if t in ("inprocess", "hf", "hf-static")]
+    if several and one_picture:
+        parser.error(
+            f"--workload {','.join(several)} sends several pictures a request; {', '.join(one_picture)} take one"
+        )
     args.model = resolve_model(args.model)  # preset:NAME -> its directory, made once
     if not (Path(args.model) / "config.json").is_file():
         parser.error(f"argument --model: {args.model} is not a checkpoint directory (no config.json)")

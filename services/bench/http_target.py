@@ -32,13 +32,13 @@ class OpenAiTarget:
         if self._session is None:
             timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
             self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
-        image = {
-            "type": "image_url",
-            "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(req.image).decode()},
-        }
+        images = [
+            {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(d).decode()}}
+            for d in req.images
+        ]
         body = {
             "model": self.model,
-            "messages": [{"role": "user", "content": [image, {"type": "text", "text": req.prompt}]}],
+            "messages": [{"role": "user", "content": [*images, {"type": "text", "text": req.prompt}]}],
             "max_tokens": req.max_tokens,
             "min_tokens": req.max_tokens,
             "ignore_eos": True,

@@ -83,7 +83,9 @@ class MeshTarget:
         start = time.perf_counter()
         ttft, tokens, final, text = None, 0, None, []
         msg = gateway_pb2.GenerateRequest(
-            images=[pb.Image(data=req.image, mime_type="image/jpeg")], prompt=req.prompt, sampling=sampling_for(req)
+            images=[pb.Image(data=d, mime_type="image/jpeg") for d in req.images],
+            prompt=req.prompt,
+            sampling=sampling_for(req),
         )
         call = self.stub.Generate(msg, metadata=mesh_metadata(req.qos.wire, self._api_key), timeout=REQUEST_TIMEOUT_S)
         try:
@@ -131,7 +133,8 @@ class InprocessTarget:
         start = time.perf_counter()
         try:
             sampling = check_sampling(sampling_for(req), self.pipeline.max_context)
-            run = await self.pipeline.submit(req.image, req.prompt, sampling, req.qos, str(req.index))
+            (image,) = req.images  # one picture a request (`check_pictures`)
+            run = await self.pipeline.submit(image, req.prompt, sampling, req.qos, str(req.index))
             ttft, tokens = None, 0
             async with contextlib.aclosing(run.outputs()) as outputs:
                 async for out in outputs:
@@ -206,11 +209,24 @@ class HfTarget:
             def end(self):
                 pass
 
-        # The family's inputs, by transformers' names (the hybrid's SAM pixels come second).
-        pixels = self.processor.tower_inputs([self.processor.pixels(decode_image(req.image), "image")], self.device)
-        names = ("pixel_values", "high_res_pixel_values")
-        images = {name: px.to(self.device, self.dtype) for name, px in zip(names[: len(pixels)], pixels, strict=True)}
-        ids = torch.tensor([self.prompts.build(req.prompt, 1).ids], device=self.device)
+        # The family's inputs, by transformers' names (the hybrid's SAM pixels come second; a grid
+        # family's patches, their grid, and the token types its M-RoPE reads).
+        (image,) = req.images  # one picture a request (services/bench/cli.py refuses more)
+        pixels = self.processor.tower_inputs([self.processor.pixels(decode_image(image), "image")], self.device)
+        spec = self.prompts.spec
+        if spec.image_grid:
+            patches, grid = pixels
+            tokens = int(grid.prod()) // spec.vision.images.merge_size**2  # type: ignore[attr-defined]
+            ids = torch.tensor([self.prompts.build(req.prompt, [tokens]).ids], device=self.device)
+            images = {
+                "pixel_values": patches.to(self.device, self.dtype),
+                "image_grid_thw": grid.to(self.device),
+                "mm_token_type_ids": (ids == spec.image_token_id).int(),
+            }
+        else:
+            names = ("pixel_values", "high_res_pixel_values")
+            images = {name: px.to(self.device, self.dtype) for name, px in zip(names, pixels, strict=False)}
+            ids = torch.tensor([self.prompts.build(req.prompt, 1).ids], device=self.device)
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=ids,

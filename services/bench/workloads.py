@@ -1,4 +1,5 @@
-"""The workloads of BENCHMARKS.md: W1 short, W2 long, W3 repeat (Zipf over a pool of 50).
+"""The workloads of BENCHMARKS.md: W1 short, W2 long, W3 repeat (Zipf over a pool of 50), W4 many
+(two 1280x720 pictures a request).
 
 Pictures are the demo task's shapes (services/model/shapes.py) resized to the workload's
 size and encoded as JPEG (quality 90), made locally. Prompts are padded to the workload's
@@ -19,17 +20,24 @@ from services.model.shapes import encode, render
 @dataclass(frozen=True)
 class Workload:
     name: str
-    image_size: int
+    image_size: int | tuple[int, int]  # a square's side, or (width, height)
     prompt_tokens: int
     output_tokens: int
     pool: int | None = None  # draw images from a pool of this size (else all distinct)
     zipf_s: float = 1.1
+    images: int = 1  # pictures a request
+
+    @property
+    def picture_size(self) -> tuple[int, int]:
+        size = self.image_size
+        return (size, size) if isinstance(size, int) else size
 
 
 WORKLOADS = {
     "W1": Workload("W1", 224, 32, 16),
     "W2": Workload("W2", 384, 128, 16),
     "W3": Workload("W3", 224, 32, 16, pool=50),
+    "W4": Workload("W4", (1280, 720), 64, 16, images=2),
 }
 
 BASE_PROMPT = "What is in the image?"
@@ -38,8 +46,8 @@ BASE_PROMPT = "What is in the image?"
 @dataclass(frozen=True)
 class BenchRequest:
     index: int
-    image: bytes
-    image_key: int  # equal keys mean equal bytes (W3 repeats)
+    images: tuple[bytes, ...]  # in prompt order, before the text
+    image_key: int  # the first picture's: equal keys mean equal bytes (W3 repeats)
     prompt: str
     max_tokens: int
     qos: QosLevel
@@ -97,18 +105,19 @@ class RequestFactory:
     def image(self, key: int) -> bytes:
         data = self._cache.get(key)
         if data is None:
-            size = self.workload.image_size
             # A pool draws its pictures from another stream than the distinct ones: a W3 run after a
             # W1 run on the same mesh must not find its pool in the feature cache already.
             stream = 17 if self.workload.pool else 7
             pic = render(np.random.default_rng([self.seed, stream, key]))
-            data = encode(pic.image.resize((size, size)), "JPEG", 90)
+            data = encode(pic.image.resize(self.workload.picture_size), "JPEG", 90)
             if self.workload.pool:
                 self._cache[key] = data  # a pool is small; distinct images are not kept
         return data
 
     def make(self, i: int) -> BenchRequest:
         rng = np.random.default_rng([self.seed, 11, i])
-        key = int(rng.choice(self.workload.pool, p=self.pool_p)) if self.workload.pool else self.first_key + i
+        n = self.workload.images
+        key = int(rng.choice(self.workload.pool, p=self.pool_p)) if self.workload.pool else self.first_key + i * n
         qos = QosLevel(int(rng.choice(3, p=self.qos_p)))
-        return BenchRequest(i, self.image(key), key, self.prompt, self.workload.output_tokens, qos)
+        images = tuple(self.image(key + j) for j in range(n))  # several: distinct keys (no pool has several)
+        return BenchRequest(i, images, key, self.prompt, self.workload.output_tokens, qos)

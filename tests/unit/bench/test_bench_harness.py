@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import math
 import random
 from collections import Counter
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from services.bench.load import poisson_offsets, run_open_loop
 from services.bench.report import qos_table, summarize_run
@@ -94,15 +96,20 @@ def test_workload_requests(tiny_model):
     keys = [w3.make(i).image_key for i in range(400)]
     assert set(keys) <= set(range(50)) and keys.count(0) > keys.count(49)  # Zipf: rank 1 is most common
     w1 = RequestFactory(WORKLOADS["W1"], tok, 0, (0.2, 0.6, 0.2))
-    assert len({w1.make(i).image for i in range(20)}) == 20  # all distinct
-    assert w1.make(3).image == w1.make(3).image  # but reproducible
+    assert len({w1.make(i).images for i in range(20)}) == 20  # all distinct
+    assert w1.make(3).images == w1.make(3).images  # but reproducible
     # The next run of a sweep sends images of its own (else a KV pool still holding the first
     # run's pages answers W1 prompts from the prefix cache); a W3 pool is the same in every run.
     w1_next = RequestFactory(WORKLOADS["W1"], tok, 0, (0.2, 0.6, 0.2), run=1)
-    assert not {w1.make(i).image for i in range(20)} & {w1_next.make(i).image for i in range(20)}
+    assert not {w1.make(i).images for i in range(20)} & {w1_next.make(i).images for i in range(20)}
     assert not {w1.make(i).image_key for i in range(20)} & {w1_next.make(i).image_key for i in range(20)}
     w3_next = RequestFactory(WORKLOADS["W3"], tok, 0, (0.2, 0.6, 0.2), run=1)
     assert w3_next.image(7) == w3.image(7)
+    # W4: two distinct 1280x720 pictures a request, none shared with another request.
+    w4 = RequestFactory(WORKLOADS["W4"], tok, 0, (0.2, 0.6, 0.2))
+    pictures = [d for i in range(5) for d in w4.make(i).images]
+    assert len(pictures) == len(set(pictures)) == 10
+    assert Image.open(io.BytesIO(pictures[0])).size == (1280, 720)
 
 
 def test_closed_loop_keeps_n_in_flight_and_counts_everything(tiny_model):
@@ -209,7 +216,7 @@ def test_mesh_flags_are_checked_as_vlmesh_up_flags_before_anything_starts(capsys
     assert "not with --gateway" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("model", ["tiny_model", "tiny_deepseek_hybrid"])
+@pytest.mark.parametrize("model", ["tiny_model", "tiny_deepseek_hybrid", "tiny_qwen"])
 def test_the_transformers_target_runs_every_family(model, request):
     """`--target hf`: transformers' own model class of the family, fed the family's pixels by
     transformers' names, generates the forced number of tokens."""
@@ -219,7 +226,7 @@ def test_the_transformers_target_runs_every_family(model, request):
     from tests.helpers import image_bytes
 
     target = HfTarget(str(request.getfixturevalue(model)), "cpu")
-    req = BenchRequest(0, image_bytes(3, (120, 80), "JPEG"), 0, "What is in the image?", 6, QosLevel.STANDARD)
+    req = BenchRequest(0, (image_bytes(3, (120, 80), "JPEG"),), 0, "What is in the image?", 6, QosLevel.STANDARD)
     outcome = asyncio.run(target.send(req))
     assert (outcome.status, outcome.output_tokens) == ("OK", 6)
     assert outcome.ttft_s is not None and 0 < outcome.ttft_s <= outcome.e2e_s
