@@ -244,12 +244,12 @@ def hf_processor(model_dir):
     return cls(images, tok, chat_template=tok.chat_template, num_image_tokens=tokens)
 
 
-def hf_inputs(model_dir, data: bytes | list[bytes], prompt: str):
+def hf_inputs(model_dir, data: bytes | list[bytes], prompt: str, max_pixels: int | None = None):
     """transformers' own processor on the same bytes (one picture or several, before the text):
     input_ids and pixel values."""
     pictures = [data] if isinstance(data, bytes) else data
     if _model_type(model_dir) == "qwen2_5_vl":
-        return _qwen_inputs(model_dir, pictures, prompt)
+        return _qwen_inputs(model_dir, pictures, prompt, max_pixels)
     proc = hf_processor(model_dir)
     content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": prompt}]
     text = proc.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
@@ -258,7 +258,7 @@ def hf_inputs(model_dir, data: bytes | list[bytes], prompt: str):
     return proc(images=images if len(images) > 1 else images[0], text=text, return_tensors="pt", **kwargs)
 
 
-def _qwen_inputs(model_dir, pictures: list[bytes], prompt: str | list[dict]):
+def _qwen_inputs(model_dir, pictures: list[bytes], prompt: str | list[dict], max_pixels: int | None = None):
     """What Qwen2_5_VLProcessor computes (it cannot be built without torchvision's video processor):
     the chat template, each <|image_pad|> repeated for its picture's tokens, the PIL image
     processor's patches and grids, and the token types M-RoPE reads."""
@@ -266,7 +266,8 @@ def _qwen_inputs(model_dir, pictures: list[bytes], prompt: str | list[dict]):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    images = Qwen2VLImageProcessorPil.from_pretrained(model_dir)(
+    limits = {} if max_pixels is None else {"max_pixels": max_pixels}
+    images = Qwen2VLImageProcessorPil.from_pretrained(model_dir, **limits)(
         images=[Image.open(io.BytesIO(d)).convert("RGB") for d in pictures], return_tensors="pt"
     )
     if isinstance(prompt, str):  # one user turn, its pictures first; else a conversation as the template takes it
@@ -304,12 +305,13 @@ def hf_model(model_dir, **kwargs):
     return classes[_model_type(model_dir)].from_pretrained(model_dir, **kwargs).eval()
 
 
-def hf_greedy(model_dir, data: bytes | list[bytes], prompt: str, n: int) -> list[int]:
-    """transformers' own generate for the checkpoint's family: n greedy tokens after the prompt."""
+def hf_greedy(model_dir, data: bytes | list[bytes], prompt: str, n: int, max_pixels: int | None = None) -> list[int]:
+    """transformers' own generate for the checkpoint's family: n greedy tokens after the prompt
+    (`max_pixels`: Qwen2.5-VL's processor with that limit)."""
     import torch
 
     model = hf_model(model_dir)
-    inputs = hf_inputs(model_dir, data, prompt)
+    inputs = hf_inputs(model_dir, data, prompt, max_pixels)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -193,7 +193,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             max_prompt_tokens=tenant.limits.get("max_prompt_tokens", 0) if tenant else 0,
         )
         ledger = Ledger(qos, received, admitted, ticket, tenant)
-        digests = await self.image_keys.digests(request.images) if info.reads_cached_images else None
+        # By key alone only pictures read at the model's own size (max_pixels changes the features,
+        # and the vision is where a bad max_pixels is refused).
+        by_key = info.reads_cached_images and not any(image.max_pixels for image in request.images)
+        digests = await self.image_keys.digests(request.images) if by_key else None
         keys = self.image_keys.get(worker.name, digests)
         if keys is not None:
             call.cached_image_keys.extend(keys)

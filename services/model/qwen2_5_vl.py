@@ -16,6 +16,7 @@ Shapes: N patches of all pictures packed, D = ViT width, P = C*T*p*p values a pa
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -111,11 +112,25 @@ class QwenProcessor:
         self.cfg = cfg
         self.resize_on = resize_on if resize_on is not None and resample.supported(cfg.resample) else None
 
-    def pixels(self, img: Image.Image, name: str) -> tuple[torch.Tensor, ...]:
+    def limited(self, max_pixels: int, name: str) -> QwenImageConfig:
+        """The settings with max_pixels lowered for one picture; INVALID_ARGUMENT naming `name` for a
+        limit under min_pixels or over the model's."""
+        if not self.cfg.min_pixels <= max_pixels <= self.cfg.max_pixels:
+            raise InvalidArgument(
+                f"{name}.max_pixels={max_pixels} is out of range: use {self.cfg.min_pixels} to {self.cfg.max_pixels} "
+                "(the model's min_pixels and max_pixels), or 0 for the model's"
+            )
+        return dataclasses.replace(self.cfg, max_pixels=max_pixels)
+
+    def pixels(self, img: Image.Image, name: str, max_pixels: int = 0) -> tuple[torch.Tensor, ...]:
+        """-> the resized picture [h, w, 3]; with `resize_on`, the decoded one and the size [2] to
+        resize it to there. `max_pixels` (0: the model's) lowers the limit for this picture."""
         if img.mode != "RGB":
             img = img.convert("RGB")
-        h, w = smart_resize(img.height, img.width, self.cfg, name)
-        if self.resize_on is None and (w, h) != img.size:
+        h, w = smart_resize(img.height, img.width, self.limited(max_pixels, name) if max_pixels else self.cfg, name)
+        if self.resize_on is not None:
+            return rgb_tensor(img), torch.tensor([h, w])
+        if (w, h) != img.size:
             img = img.resize((w, h), resample=self.cfg.resample)
         return (rgb_tensor(img),)
 
@@ -132,10 +147,10 @@ class QwenProcessor:
         """-> (patches [N, P] float32 on `device`, grid [n, 3] int64 on the host: the tower lays
         its windows out from it without a sync)."""
         patches, grids = [], []
-        for (px,) in batch:
+        for px, *size in batch:
             px = px.to(device, non_blocking=True)
-            if self.resize_on is not None:
-                h, w = smart_resize(px.shape[0], px.shape[1], self.cfg)
+            if size:  # resized here, to the size `pixels` chose
+                h, w = size[0].tolist()
                 px = resample.resize(px, w, h, self.cfg.resample)
             patches.append(self._patches(px))
             grids.append((1, px.shape[0] // self.cfg.patch_size, px.shape[1] // self.cfg.patch_size))

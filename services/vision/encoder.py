@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from services.common.config import resolve_device
+from services.common.errors import InvalidArgument
 from services.model.checkpoint import load_vision_tower
 from services.model.family import family_of
 from services.model.preprocess import decode_image
@@ -49,10 +50,25 @@ class VisionEncoder:
             "by Pillow" if self.processor.resize_on is None else f"on {self.device}",
         )
 
-    def pixels(self, data: bytes, name: str = "image data") -> Pixels:
+    def check_max_pixels(self, max_pixels: int, name: str) -> None:
+        """INVALID_ARGUMENT unless `max_pixels` is 0 or a size this model can read a picture at."""
+        if not max_pixels:
+            return
+        if not self.spec.image_grid:
+            raise InvalidArgument(
+                f"{name}.max_pixels: {self.spec.model_id} ({self.spec.family}) reads every picture at one size; "
+                "leave it 0"
+            )
+        self.processor.limited(max_pixels, name)  # type: ignore[attr-defined]
+
+    def pixels(self, data: bytes, name: str = "image data", max_pixels: int = 0) -> Pixels:
         """Image bytes -> the family's pixels (CPU, uint8: resized, or as decoded where the resize
-        runs on the device). Raises InvalidArgument naming `name`."""
+        runs on the device); `max_pixels` (0: the model's) lowers a grid family's limit.
+        Raises InvalidArgument naming `name`."""
         img: Image.Image = decode_image(data, name=name)
+        if max_pixels:
+            self.check_max_pixels(max_pixels, name)
+            return self.processor.pixels(img, name, max_pixels)  # type: ignore[call-arg]
         return self.processor.pixels(img, name)
 
     @torch.inference_mode()

@@ -47,9 +47,11 @@ class FeatureCache:
         self._salt = hashlib.blake2b(salt, digest_size=KEY_BYTES).digest()
         self._encoding: dict[bytes, asyncio.Future] = {}  # keys being encoded now: followers wait
 
-    def key(self, data: bytes) -> bytes:
-        """The content key of one image's bytes (blake2b, 16 bytes)."""
+    def key(self, data: bytes, max_pixels: int = 0) -> bytes:
+        """The content key of one image's bytes, read at `max_pixels` (0: the model's) (blake2b, 16 bytes)."""
         h = hashlib.blake2b(self._salt, digest_size=KEY_BYTES)
+        if max_pixels:  # a picture read smaller is other features (and other positions)
+            h.update(b"max_pixels=%d;" % max_pixels)
         h.update(data)
         return h.digest()
 

@@ -64,7 +64,7 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         check_images(request.images)
         transport = self.producer.negotiate(request.consumer)  # a consumer we cannot serve fails before any work
         results = await asyncio.gather(
-            *(self._features(qos, transport, i, image.data) for i, image in enumerate(request.images)),
+            *(self._features(qos, transport, i, image) for i, image in enumerate(request.images)),
             return_exceptions=True,
         )
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -75,14 +75,14 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         timings = Timings(**{k: max((getattr(t, k) for t in stages), default=0.0) for k in _STAGES})
         return vision_pb2.EncodeResponse(features=[r[0] for r in results], timings=timings.to_pb())
 
-    async def _features(self, qos: QosLevel, transport: Transport, i: int, data: bytes):
+    async def _features(self, qos: QosLevel, transport: Transport, i: int, image: pb.Image):
         """One image's reference, from the cache or encoded, and the stages it ran (None on a hit)."""
 
         async def encode() -> tuple[pb.TensorRef, Timings]:
             t0 = time.perf_counter()
             with telemetry.span("vision.preprocess", {"images": 1}):
                 pixels = await asyncio.wrap_future(
-                    self._preprocess.submit(qos, self.encoder.pixels, data, f"images[{i}]")
+                    self._preprocess.submit(qos, self.encoder.pixels, data, f"images[{i}]", image.max_pixels)
                 )
             preprocess = time.perf_counter() - t0
             metrics.STAGE_DURATION.labels("preprocess").observe(preprocess)
@@ -98,7 +98,9 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
             )
             return ref, stages
 
-        key = self.cache.key(data) if self.cache.enabled else None
+        data = image.data
+        self.encoder.check_max_pixels(image.max_pixels, f"images[{i}]")  # before a cache lookup
+        key = self.cache.key(data, image.max_pixels) if self.cache.enabled else None
         return await self.cache.get(key, transport, encode)
 
     @rpc.unary

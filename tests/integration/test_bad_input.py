@@ -32,6 +32,10 @@ BAD = {
     "empty image": (request(images=[pb.Image(data=b"")]), "images[0].data is empty"),
     "no image": (request(images=[]), "one image is required"),
     "five images": (request(images=[pb.Image(data=GOOD_IMAGE)] * 5), "takes at most 4"),
+    "max_pixels on a fixed-size model": (
+        request(images=[pb.Image(data=GOOD_IMAGE, max_pixels=50_000)]),
+        "(llava) reads every picture at one size; leave it 0",
+    ),
     "empty prompt": (request(prompt=""), "prompt is empty"),
     "blank prompt": (request(prompt="   \n"), "prompt is empty"),
     "max_tokens 0": (request(sampling=pb.SamplingParams(max_tokens=0)), "max_tokens=0 is out of range"),

@@ -121,3 +121,44 @@ def test_a_sliver_of_a_picture_is_refused_naming_it_and_the_mesh_serves_on(mesh)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "images[1] is 2000x5: an aspect ratio over 200 is refused" in err.value.details()
         assert len(ask(stub, [PICTURES[0]], "What is it?").token_ids) == 12
+
+
+def test_a_request_reads_a_picture_smaller_with_max_pixels(mesh, tiny_qwen):
+    """Image.max_pixels lowers the processor's limit for that picture: fewer tokens, transformers'
+    tokens with the same limit, a cache entry of its own; the HTTP door's image_url.max_pixels too."""
+    data, limit = PICTURES[4], 28 * 28 * 16  # 400x500 px: 64 tokens at the model's limit, 16 at this one
+    with grpc.insecure_channel(mesh.target("gateway")) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        full = ask(stub, [data], "What is in the image?")
+        req = gateway_pb2.GenerateRequest(
+            images=[pb.Image(data=data, max_pixels=limit)],
+            prompt="What is in the image?",
+            sampling=pb.SamplingParams(max_tokens=12, min_tokens=12),
+        )
+        small = stub.GenerateUnary(req, timeout=120)
+        for bad in (100, 28 * 28 * 65):  # under min_pixels, over the model's max_pixels
+            req.images[0].max_pixels = bad
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GenerateUnary(req, timeout=120)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"images[0].max_pixels={bad} is out of range: use 3136 to 50176" in err.value.details()
+    assert small.usage.image_tokens <= 16 < full.usage.image_tokens
+    assert list(small.token_ids) == hf_greedy(tiny_qwen, [data], "What is in the image?", 12, max_pixels=limit)
+    url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
+    with openai.OpenAI(base_url=mesh.http_url(), api_key="none", max_retries=0, timeout=60) as client:
+        got = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": url, "max_pixels": limit}},
+                        {"type": "text", "text": "What is in the image?"},
+                    ],
+                }
+            ],
+            max_tokens=12,
+            temperature=0,
+            extra_body={"min_tokens": 12},
+        )
+    assert got.choices[0].message.content == small.text

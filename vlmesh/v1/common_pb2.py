@@ -24,43 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16vlmesh/v1/common.proto\x12\tvlmesh.v1\"(\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\"D\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\'\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x16.vlmesh.v1.ContentPart\"6\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x08H\x00\x42\x06\n\x04part\"\xd2\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"b\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x02 \x01(\r\x12\x15\n\routput_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xdb\x01\n\x0cStageTimings\x12\x14\n\x0c\x61\x64mission_ms\x18\x01 \x01(\x01\x12\x17\n\x0fvision_queue_ms\x18\x02 \x01(\x01\x12\x15\n\rpreprocess_ms\x18\x03 \x01(\x01\x12\x11\n\tvision_ms\x18\x04 \x01(\x01\x12\x12\n\nhandoff_ms\x18\x05 \x01(\x01\x12\x14\n\x0cllm_queue_ms\x18\x06 \x01(\x01\x12\x12\n\nprefill_ms\x18\x07 \x01(\x01\x12\x11\n\tdecode_ms\x18\x08 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\t \x01(\x01\x12\x10\n\x08total_ms\x18\n \x01(\x01\"<\n\x05Lease\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x01(\x03\x12\x0e\n\x06reader\x18\x03 \x01(\x04\"\xf5\x02\n\tTensorRef\x12\'\n\ttransport\x18\x01 \x01(\x0e\x32\x14.vlmesh.v1.Transport\x12\x10\n\x08\x61rena_id\x18\x02 \x01(\t\x12\x18\n\x10producer_host_id\x18\x03 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0e\n\x06nbytes\x18\x06 \x01(\x04\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x1f\n\x05\x64type\x18\x08 \x01(\x0e\x32\x10.vlmesh.v1.DType\x12\x1f\n\x05lease\x18\t \x01(\x0b\x32\x10.vlmesh.v1.Lease\x12%\n\x05ready\x18\n \x01(\x0e\x32\x16.vlmesh.v1.ReadySignal\x12\x13\n\x0bready_event\x18\x0b \x01(\x0c\x12\x13\n\x0binline_data\x18\x0c \x01(\x0c\x12*\n\x08\x63uda_ipc\x18\r \x01(\x0b\x32\x18.vlmesh.v1.CudaIpcHandle\x12\x13\n\x0b\x63ontent_key\x18\x0e \x01(\x0c\"\xbd\x01\n\rCudaIpcHandle\x12\x12\n\nmem_handle\x18\x01 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x02 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x03 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\"W\n\x0c\x43onsumerInfo\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\x12$\n\x06\x61\x63\x63\x65pt\x18\x03 \x03(\x0e\x32\x14.vlmesh.v1.Transport\"\r\n\x0bInfoRequest\"\xf2\x01\n\x0bServiceInfo\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x04 \x01(\t\x12(\n\ntransports\x18\x05 \x03(\x0e\x32\x14.vlmesh.v1.Transport\x12\x13\n\x0bmax_context\x18\x06 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x07 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x08 \x01(\r\x12\x0f\n\x07variant\x18\t \x01(\t\x12\x1b\n\x13reads_cached_images\x18\n \x01(\x08*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*g\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_SHM\x10\x01\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x02\x12\x14\n\x10TRANSPORT_INLINE\x10\x03*j\n\x0bReadySignal\x12\x1c\n\x18READY_SIGNAL_UNSPECIFIED\x10\x00\x12 \n\x1cREADY_SIGNAL_PRODUCER_SYNCED\x10\x01\x12\x1b\n\x17READY_SIGNAL_CUDA_EVENT\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16vlmesh/v1/common.proto\x12\tvlmesh.v1\"<\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\x12\x12\n\nmax_pixels\x18\x03 \x01(\r\"D\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\'\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x16.vlmesh.v1.ContentPart\"6\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x08H\x00\x42\x06\n\x04part\"\xd2\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"b\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x02 \x01(\r\x12\x15\n\routput_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xdb\x01\n\x0cStageTimings\x12\x14\n\x0c\x61\x64mission_ms\x18\x01 \x01(\x01\x12\x17\n\x0fvision_queue_ms\x18\x02 \x01(\x01\x12\x15\n\rpreprocess_ms\x18\x03 \x01(\x01\x12\x11\n\tvision_ms\x18\x04 \x01(\x01\x12\x12\n\nhandoff_ms\x18\x05 \x01(\x01\x12\x14\n\x0cllm_queue_ms\x18\x06 \x01(\x01\x12\x12\n\nprefill_ms\x18\x07 \x01(\x01\x12\x11\n\tdecode_ms\x18\x08 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\t \x01(\x01\x12\x10\n\x08total_ms\x18\n \x01(\x01\"<\n\x05Lease\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x17\n\x0f\x65xpires_unix_ms\x18\x02 \x01(\x03\x12\x0e\n\x06reader\x18\x03 \x01(\x04\"\xf5\x02\n\tTensorRef\x12\'\n\ttransport\x18\x01 \x01(\x0e\x32\x14.vlmesh.v1.Transport\x12\x10\n\x08\x61rena_id\x18\x02 \x01(\t\x12\x18\n\x10producer_host_id\x18\x03 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x04 \x01(\t\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0e\n\x06nbytes\x18\x06 \x01(\x04\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\x1f\n\x05\x64type\x18\x08 \x01(\x0e\x32\x10.vlmesh.v1.DType\x12\x1f\n\x05lease\x18\t \x01(\x0b\x32\x10.vlmesh.v1.Lease\x12%\n\x05ready\x18\n \x01(\x0e\x32\x16.vlmesh.v1.ReadySignal\x12\x13\n\x0bready_event\x18\x0b \x01(\x0c\x12\x13\n\x0binline_data\x18\x0c \x01(\x0c\x12*\n\x08\x63uda_ipc\x18\r \x01(\x0b\x32\x18.vlmesh.v1.CudaIpcHandle\x12\x13\n\x0b\x63ontent_key\x18\x0e \x01(\x0c\"\xbd\x01\n\rCudaIpcHandle\x12\x12\n\nmem_handle\x18\x01 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x02 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x03 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\"W\n\x0c\x43onsumerInfo\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\x12$\n\x06\x61\x63\x63\x65pt\x18\x03 \x03(\x0e\x32\x14.vlmesh.v1.Transport\"\r\n\x0bInfoRequest\"\xf2\x01\n\x0bServiceInfo\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x10\n\x08gpu_uuid\x18\x04 \x01(\t\x12(\n\ntransports\x18\x05 \x03(\x0e\x32\x14.vlmesh.v1.Transport\x12\x13\n\x0bmax_context\x18\x06 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x07 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x08 \x01(\r\x12\x0f\n\x07variant\x18\t \x01(\t\x12\x1b\n\x13reads_cached_images\x18\n \x01(\x08*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*g\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_SHM\x10\x01\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x02\x12\x14\n\x10TRANSPORT_INLINE\x10\x03*j\n\x0bReadySignal\x12\x1c\n\x18READY_SIGNAL_UNSPECIFIED\x10\x00\x12 \n\x1cREADY_SIGNAL_PRODUCER_SYNCED\x10\x01\x12\x1b\n\x17READY_SIGNAL_CUDA_EVENT\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'vlmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1719
-  _globals['_FINISHREASON']._serialized_end=1814
-  _globals['_DTYPE']._serialized_start=1816
-  _globals['_DTYPE']._serialized_end=1904
-  _globals['_TRANSPORT']._serialized_start=1906
-  _globals['_TRANSPORT']._serialized_end=2009
-  _globals['_READYSIGNAL']._serialized_start=2011
-  _globals['_READYSIGNAL']._serialized_end=2117
+  _globals['_FINISHREASON']._serialized_start=1739
+  _globals['_FINISHREASON']._serialized_end=1834
+  _globals['_DTYPE']._serialized_start=1836
+  _globals['_DTYPE']._serialized_end=1924
+  _globals['_TRANSPORT']._serialized_start=1926
+  _globals['_TRANSPORT']._serialized_end=2029
+  _globals['_READYSIGNAL']._serialized_start=2031
+  _globals['_READYSIGNAL']._serialized_end=2137
   _globals['_IMAGE']._serialized_start=37
-  _globals['_IMAGE']._serialized_end=77
-  _globals['_CHATMESSAGE']._serialized_start=79
-  _globals['_CHATMESSAGE']._serialized_end=147
-  _globals['_CONTENTPART']._serialized_start=149
-  _globals['_CONTENTPART']._serialized_end=203
-  _globals['_SAMPLINGPARAMS']._serialized_start=206
-  _globals['_SAMPLINGPARAMS']._serialized_end=416
-  _globals['_USAGE']._serialized_start=418
-  _globals['_USAGE']._serialized_end=516
-  _globals['_STAGETIMINGS']._serialized_start=519
-  _globals['_STAGETIMINGS']._serialized_end=738
-  _globals['_LEASE']._serialized_start=740
-  _globals['_LEASE']._serialized_end=800
-  _globals['_TENSORREF']._serialized_start=803
-  _globals['_TENSORREF']._serialized_end=1176
-  _globals['_CUDAIPCHANDLE']._serialized_start=1179
-  _globals['_CUDAIPCHANDLE']._serialized_end=1368
-  _globals['_CONSUMERINFO']._serialized_start=1370
-  _globals['_CONSUMERINFO']._serialized_end=1457
-  _globals['_INFOREQUEST']._serialized_start=1459
-  _globals['_INFOREQUEST']._serialized_end=1472
-  _globals['_SERVICEINFO']._serialized_start=1475
-  _globals['_SERVICEINFO']._serialized_end=1717
+  _globals['_IMAGE']._serialized_end=97
+  _globals['_CHATMESSAGE']._serialized_start=99
+  _globals['_CHATMESSAGE']._serialized_end=167
+  _globals['_CONTENTPART']._serialized_start=169
+  _globals['_CONTENTPART']._serialized_end=223
+  _globals['_SAMPLINGPARAMS']._serialized_start=226
+  _globals['_SAMPLINGPARAMS']._serialized_end=436
+  _globals['_USAGE']._serialized_start=438
+  _globals['_USAGE']._serialized_end=536
+  _globals['_STAGETIMINGS']._serialized_start=539
+  _globals['_STAGETIMINGS']._serialized_end=758
+  _globals['_LEASE']._serialized_start=760
+  _globals['_LEASE']._serialized_end=820
+  _globals['_TENSORREF']._serialized_start=823
+  _globals['_TENSORREF']._serialized_end=1196
+  _globals['_CUDAIPCHANDLE']._serialized_start=1199
+  _globals['_CUDAIPCHANDLE']._serialized_end=1388
+  _globals['_CONSUMERINFO']._serialized_start=1390
+  _globals['_CONSUMERINFO']._serialized_end=1477
+  _globals['_INFOREQUEST']._serialized_start=1479
+  _globals['_INFOREQUEST']._serialized_end=1492
+  _globals['_SERVICEINFO']._serialized_start=1495
+  _globals['_SERVICEINFO']._serialized_end=1737
 # @@protoc_insertion_point(module_scope)

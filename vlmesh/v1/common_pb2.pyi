@@ -48,12 +48,14 @@ READY_SIGNAL_PRODUCER_SYNCED: ReadySignal
 READY_SIGNAL_CUDA_EVENT: ReadySignal
 
 class Image(_message.Message):
-    __slots__ = ("data", "mime_type")
+    __slots__ = ("data", "mime_type", "max_pixels")
     DATA_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     mime_type: str
-    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ...) -> None: ...
+    max_pixels: int
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., max_pixels: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

@@ -152,7 +152,9 @@ class OpenAiApi:
                         self.servicer.tenants.authenticate(call.invocation_metadata())
                     req = parse_request(body)
                     urls = image_urls(req)
-                    images = [await self.images.image(url, where) for where, url in urls]
+                    images = [await self.images.image(url, where) for where, url, _ in urls]
+                    for image, (_, _, max_pixels) in zip(images, urls, strict=True):
+                        image.max_pixels = max_pixels
                     generate = to_generate(req, images, headers.get("x-request-id", ""))
                     first = True
                     try:
@@ -162,7 +164,7 @@ class OpenAiApi:
                                 events.put_nowait((req, call, msg) if first else msg)
                                 first = False
                     except MeshError as err:
-                        raise name_the_image(err, [where for where, _ in urls]) from None
+                        raise name_the_image(err, [where for where, _, _ in urls]) from None
                 events.put_nowait(_END)
             except MeshError as err:
                 code = err.code.name

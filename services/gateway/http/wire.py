@@ -26,7 +26,8 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 class ImageUrl(BaseModel):
     url: str
-    detail: str | None = None  # accepted and ignored: the model has one resolution
+    detail: str | None = None  # accepted and ignored: a picture's size, not this hint, sets its tokens
+    max_pixels: int | None = None  # vlmesh's: the picture read at no more pixels (pb.Image.max_pixels)
 
 
 class TextPart(BaseModel):
@@ -141,15 +142,25 @@ _NEUTRAL: dict[str, tuple] = {
 }
 
 
-def image_urls(req: ChatRequest) -> list[tuple[str, str]]:
-    """(JSON path, URL) of every image part, in order."""
+def image_urls(req: ChatRequest) -> list[tuple[str, str, int]]:
+    """(JSON path, URL, max_pixels or 0) of every image part, in order."""
     return [
-        (f"messages[{i}].content[{j}].image_url.url", part.image_url.url)
+        (f"messages[{i}].content[{j}].image_url.url", part.image_url.url, _max_pixels(part, i, j))
         for i, m in enumerate(req.messages)
         if isinstance(m.content, list)
         for j, part in enumerate(m.content)
         if isinstance(part, ImagePart)
     ]
+
+
+def _max_pixels(part: ImagePart, i: int, j: int) -> int:
+    value = part.image_url.max_pixels
+    if value is None:
+        return 0
+    if not 0 < value <= 2**32 - 1:
+        where = f"messages[{i}].content[{j}].image_url.max_pixels"
+        raise ParamError(f"{where}={value} is out of range: a positive number of pixels", where)
+    return value
 
 
 def to_generate(req: ChatRequest, images: list[pb.Image], request_id: str) -> gateway_pb2.GenerateRequest:
