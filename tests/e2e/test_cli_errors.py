@@ -60,9 +60,10 @@ def deepseek_variants(tmp, model) -> None:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory, tiny_deepseek_hybrid):
+def files(tmp_path_factory, tiny_deepseek_hybrid, tiny_qwen):
     tmp = tmp_path_factory.mktemp("cli")
     deepseek_variants(tmp, tiny_deepseek_hybrid)
+    shutil.copytree(tiny_qwen, tmp / "qwen")
     (tmp / "pic.png").write_bytes(image_bytes(1))
     (tmp / "pictures").mkdir()
     broken = tmp / "broken-model"
@@ -146,8 +147,24 @@ CASES = {
         [*VLMESH, "serve", "llm", "--model", "{tmp}/unknown-type", "--port", "0", "--metrics-port", "-1"],
         [
             "vlmesh serve llm: error: {tmp}/unknown-type/config.json: model_type 'blip-2' is not one vlmesh serves",
-            "(it serves llava, deepseek_vl, deepseek_vl_hybrid)",
+            "(it serves llava, deepseek_vl, deepseek_vl_hybrid, qwen2_5_vl)",
         ],
+    ),
+    "serve llm, Qwen2.5-VL on the vLLM engine": (
+        [
+            *VLMESH,
+            "serve",
+            "llm",
+            "--model",
+            "{tmp}/qwen",
+            "--llm-engine",
+            "vllm",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+        ],
+        ["vlmesh serve llm: error: {tmp}/qwen: --llm-engine vllm cannot serve qwen2_5_vl", "use --llm-engine native"],
     ),
     "up, DeepSeek-VL without its SAM weights": (
         [*VLMESH, "up", "--model", "{tmp}/no-sam", "--device", "cpu"],
