@@ -571,6 +571,42 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
+def check_fp32_tokens_on_gpu(model_dir, cases) -> list[list[int]]:
+    """The CUDA engine in fp32 (graphs, packed prefill) gives transformers' greedy tokens, 32 a case
+    (TF32 off: the `exact_fp32` fixture); returns ours."""
+    import torch
+
+    from services.llm.config import NativeEngineConfig
+
+    native = NativeEngineConfig(max_prefill_tokens=1024)
+    parts = Parts(model_dir, max_batch=4, device="cuda", dtype="float32", native=native)
+    try:
+        got = ours(parts, cases)
+        assert_idle(parts)
+    finally:
+        parts.engine.stop()
+    model = hf_model_on_gpu(model_dir, torch.float32)
+    for (data, prompt), ids in zip(cases, got, strict=True):
+        inputs = {k: v.to("cuda") for k, v in hf_inputs(model_dir, data, prompt).items()}
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        want = out[0, inputs["input_ids"].shape[1] :].tolist()
+        assert ids == want, f"{prompt!r}: engine {ids} != transformers {want}"
+    return got
+
+
+def check_bf16_agreement(label: str, model_dir, cases, got: list[list[int]]) -> None:
+    """Our bf16 tokens agree with transformers' fp32 about as often as transformers' own bf16 does
+    (random weights have near-ties that bf16 rounding flips); the three figures printed."""
+    ours_vs_hf16, hf16_vs_hf32, ours_vs_hf32 = bf16_agreement(model_dir, cases, got)
+    print(
+        f"{label}, bf16, teacher-forced over {sum(map(len, got))} tokens: ours = transformers-bf16 argmax "
+        f"{ours_vs_hf16:.1%}; transformers-bf16 = transformers-fp32 {hf16_vs_hf32:.1%}; "
+        f"ours = transformers-fp32 {ours_vs_hf32:.1%}"
+    )
+    assert ours_vs_hf32 >= hf16_vs_hf32 - 0.03
+
+
 def bf16_agreement(model_dir, cases, got: list[list[int]]) -> tuple[float, float, float]:
     """Our bf16 tokens teacher-forced through transformers in bf16 and in fp32 (EOS banned, as
     min_tokens bans it): (ours = its bf16, its bf16 = its fp32, ours = its fp32) argmax agreement."""

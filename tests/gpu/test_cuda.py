@@ -12,16 +12,7 @@ from tests.helpers import CASES, PROMPTS, Parts, assert_greedy_under_transformer
 from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def exact_fp32():
-    # TF32 convolutions/matmuls would make fp32 differ from the CPU in the last bits.
-    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_fp32")]
 
 
 def run_all(parts, n_tokens: int) -> list[list[int]]:

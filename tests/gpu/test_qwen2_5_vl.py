@@ -10,8 +10,8 @@ import torch
 
 from tests.helpers import (
     Parts,
-    assert_idle,
-    bf16_agreement,
+    check_bf16_agreement,
+    check_fp32_tokens_on_gpu,
     hf_inputs,
     hf_model_on_gpu,
     image_bytes,
@@ -37,32 +37,8 @@ def cut_qwen(tmp_path_factory):
     return build_preset_checkpoint(out, "qwen2.5-vl-7b-shaped", text_layers=2, vision_layers=2)
 
 
-@pytest.fixture
-def exact_fp32():
-    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
-
-
 def test_the_cut_preset_gives_transformers_greedy_tokens_fp32(cut_qwen, exact_fp32):
-    from services.llm.config import NativeEngineConfig
-
-    parts = Parts(
-        cut_qwen, max_batch=4, device="cuda", dtype="float32", native=NativeEngineConfig(max_prefill_tokens=1024)
-    )
-    try:
-        got = ours(parts, CASES)
-        assert_idle(parts)
-    finally:
-        parts.engine.stop()
-    model = hf_model_on_gpu(cut_qwen, torch.float32)
-    for (data, prompt), ids in zip(CASES, got, strict=True):
-        inputs = {k: v.to("cuda") for k, v in hf_inputs(cut_qwen, data, prompt).items()}
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=32, min_new_tokens=32, do_sample=False)
-        want = out[0, inputs["input_ids"].shape[1] :].tolist()
-        assert ids == want, f"{prompt!r}: engine {ids} != transformers {want}"
+    got = check_fp32_tokens_on_gpu(cut_qwen, CASES)
     assert len({tuple(ids) for ids in got}) == len(got)
 
 
@@ -72,13 +48,7 @@ def test_bf16_tokens_agree_with_transformers_as_its_own_bf16_does_with_fp32(cut_
         got = ours(parts, CASES)
     finally:
         parts.engine.stop()
-    ours_vs_hf16, hf16_vs_hf32, ours_vs_hf32 = bf16_agreement(cut_qwen, CASES, got)
-    print(
-        f"Qwen2.5-VL cut preset, bf16, teacher-forced over {sum(map(len, got))} tokens: ours = transformers-bf16 "
-        f"argmax {ours_vs_hf16:.1%}; transformers-bf16 = transformers-fp32 {hf16_vs_hf32:.1%}; "
-        f"ours = transformers-fp32 {ours_vs_hf32:.1%}"
-    )
-    assert ours_vs_hf32 >= hf16_vs_hf32 - 0.03
+    check_bf16_agreement("Qwen2.5-VL cut preset", cut_qwen, CASES, got)
 
 
 def test_the_tower_on_cuda_gives_transformers_image_features_fp32(cut_qwen, exact_fp32):
