@@ -13,7 +13,7 @@ from services.common.qos import QosLevel
 from services.llm.engine import Lockstep, OneAhead
 from services.llm.interface import EngineStats
 from services.llm.request import Finish, Status
-from tests.helpers import PROMPTS, Parts
+from tests.helpers import PROMPTS, Parts, image_bytes
 
 
 def assert_idle(engine) -> None:
@@ -351,3 +351,35 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving(parts, mo
         parts.run(ok)
         assert ok[1]["finish"] is Finish.LENGTH
     assert_idle(parts.engine)
+
+
+@pytest.mark.parametrize("pacing", ["lockstep", "ahead"])
+def test_a_preempted_qwen_request_resumes_at_its_own_rotary_positions(tiny_qwen, pacing):
+    """M-RoPE (services/model/mrope.py) across preemption: a best-effort Qwen2.5-VL request pushed
+    out mid-decode by a realtime one is recomputed (its prompt's [3, L] positions, its outputs at
+    index + delta) and ends with the tokens it gives alone."""
+    parts = Parts(tiny_qwen, max_batch=3)
+    if pacing == "ahead":
+        parts.engine.pacing = OneAhead()
+    try:
+        pictures = [image_bytes(60 + i, (90 + 40 * i, 300 - 50 * i), "JPEG") for i in range(4)]
+        jobs = [(pictures[i], PROMPTS[i], {"max_tokens": 30, "min_tokens": 30}) for i in range(3)]
+        alone = [parts.request(img, prompt, **s) for img, prompt, s in jobs]
+        parts.run(*alone)
+        be = [parts.request(img, prompt, QosLevel.BEST_EFFORT, **s) for img, prompt, s in jobs]
+        for req, _ in be:
+            parts.engine.add(req)
+        deadline = time.monotonic() + 30
+        while min(len(box["ids"]) for _, box in be) < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        parts.run(parts.request(pictures[3], PROMPTS[3], QosLevel.REALTIME, max_tokens=4, min_tokens=4))
+        assert sum(bool(req.preempted_at) for req, _ in be) == 1
+        assert all(req.rope_delta != 0 for req, _ in be)  # the positions do differ from the indices
+        for _, box in be:
+            assert box["done"].wait(60)
+        for (_, want), (_, got) in zip(alone, be, strict=True):
+            assert got["ids"] == want["ids"]
+        assert_idle(parts.engine)
+    finally:
+        parts.engine.stop()
