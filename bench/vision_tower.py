@@ -5,7 +5,8 @@ resized on the GPU (`--gpu-resize`, the default) and by Pillow (`--no-gpu-resize
 on one JPEG of `--picture` size as a preprocessing thread runs it (CPU), and `encode()` as the
 servicer calls it (uint8 pixels uploaded, resized if left to the GPU, normalised, the replay,
 the features cloned out), wall time to a sync; p50 of `--steps` after 5 warm-ups. `--profile`
-adds torch.profiler's kernel table for 10 replays of one image.
+adds torch.profiler's kernel table for 10 replays of one image. A tower whose pictures take
+tokens by their size (Qwen2.5-VL) runs eagerly: its replay column is empty, `encode()` times it.
 
     python -m bench.vision_tower [--model preset:llava-7b-shaped] [--batches 1,2,4,8] [--profile]
 """
@@ -88,19 +89,21 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     print(f"building the vision tower of {spec.model_id} ({args.dtype}, graphs up to {max(batches)}) ...", flush=True)
     enc = VisionEncoder(spec, "cuda", args.dtype, graphs_up_to=max(batches))
-    if enc.graphed is None:
+    if enc.graphed is None and not spec.image_grid:
         raise SystemExit("the tower could not be captured in CUDA graphs (see the log above)")
-    print(f"ready in {time.perf_counter() - t0:.1f} s; buckets {enc.graphed.buckets}", flush=True)
+    # A tower whose pictures take tokens by their size runs eagerly: no replay to time alone.
+    buckets = "eager: pictures of any size" if enc.graphed is None else f"buckets {enc.graphed.buckets}"
+    print(f"ready in {time.perf_counter() - t0:.1f} s; {buckets}", flush=True)
     data = jpeg(*(int(n) for n in args.picture.split("x")))
     on_gpu, by_pillow = enc.processor, family_of(spec).image_processor(spec)
     rows = []
     for b in batches:
-        row = [b, time_replay(enc, b, args.steps)]
+        row = [b, time_replay(enc, b, args.steps) if enc.graphed is not None else float("nan")]
         for processor in (on_gpu, by_pillow):
             enc.processor = processor
             row += time_serving(enc, data, b, args.steps)
         rows.append(row)
-    if args.profile:
+    if args.profile and enc.graphed is not None:
         from torch.profiler import ProfilerActivity, profile
 
         x = [torch.zeros(1, *s, device="cuda", dtype=enc.dtype) for s in enc.tower.input_shapes()]

@@ -157,9 +157,9 @@ def _max_pixels(part: ImagePart, i: int, j: int) -> int:
     value = part.image_url.max_pixels
     if value is None:
         return 0
-    if not 0 < value <= 2**32 - 1:
+    if not 0 <= value <= 2**32 - 1:
         where = f"messages[{i}].content[{j}].image_url.max_pixels"
-        raise ParamError(f"{where}={value} is out of range: a positive number of pixels", where)
+        raise ParamError(f"{where}={value} is out of range: a number of pixels, or 0 for the model's", where)
     return value
 
 
