@@ -16,7 +16,14 @@ Growth is the Theil-Sen trend of a sample a second (bench/soak.py, `growth_of`),
 19's 1%. The services cap glibc's malloc arenas (`--malloc-arenas`, 4 by default): with glibc's
 own limit the llm's private memory rose by 1.0-1.5% in 3 of 8 such runs on the 2-core host while
 its bytes in use stayed flat, free space stranded across its threads' arenas (docs/PERF.md, "CPU:
-the llm's memory drift in the 2-minute soak was glibc's arenas")."""
+the llm's memory drift in the 2-minute soak was glibc's arenas").
+
+Even so the vision's private memory swings between about 271 and 284 MiB from one second to the
+next (a batch's tensors, glibc's heap growing and trimmed), and CI's host saw a 100-second trend of
++1.13% once, where a 300-second run here put no 100-second window past +0.33% (docs/perf/
+2026-12-06-cpu-soak-sequential.md). So the soak is a sequential test (`--extend-to`): past the bound
+at two minutes, the load goes on to four and the whole series is judged again against the same 1%.
+A leak's rise only grows with the window; the trend's noise shrinks with it."""
 
 from __future__ import annotations
 
@@ -34,16 +41,19 @@ def test_two_minutes_of_a_qos_mix_lose_nothing_and_leak_nothing(tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, "-m", "bench.soak", "--model", str(ROOT / "models" / "demo"), "--duration", "120"]
     cmd += ["--warmup", "20", "--clients", "6", "--sample-s", "1", "--max-growth", str(MAX_GROWTH), "--out", str(out)]
+    cmd += ["--extend-to", "240"]
     cmd += SMALL_CACHES
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.exists(), result.stderr[-3000:]
     soak = json.loads(out.read_text())
-    summary = {k: soak[k] for k in ("capacity_rps", "offered_rps", "sent", "statuses", "lost", "growth_after_warmup")}
+    keys = ("capacity_rps", "offered_rps", "sent", "statuses", "lost", "growth_after_warmup", "extended")
+    summary = {k: soak[k] for k in keys}
     print(json.dumps(summary))
     assert soak["sent"] > 100 and soak["lost"] == 0, summary
     assert soak["statuses"].get("OK", 0) >= 0.9 * soak["sent"], summary  # below capacity: nearly all answered
     for name, growth in soak["growth_after_warmup"].items():
-        assert growth["rss"] <= MAX_GROWTH and growth["private"] <= MAX_GROWTH, (name, growth)
+        series = [round(x[name]["private_mib"]) for x in soak["samples"]]  # what a failure leaves to read
+        assert growth["rss"] <= MAX_GROWTH and growth["private"] <= MAX_GROWTH, (name, growth, series)
         assert growth["fds"] <= 2, (name, growth)
     assert soak["shm_segments"]["end"] <= soak["shm_segments"]["start"] + 1, soak["shm_segments"]
     assert result.returncode == 0, result.stderr[-3000:]
