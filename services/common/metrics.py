@@ -89,7 +89,7 @@ HANDOFF_BYTES = Counter("vlmesh_handoff_bytes_total", "Bytes of features handed 
 HANDOFF_FALLBACKS = Counter(
     "vlmesh_handoff_fallbacks_total", "Hand-offs that fell back from the consumer's preferred transport", ["to"]
 )
-ARENA_SLOTS = Gauge("vlmesh_arena_slots", "Feature arena slots", ["arena", "state"])
+ARENA_PAGES = Gauge("vlmesh_arena_pages", "Feature arena pages (a picture takes a run of them)", ["arena", "state"])
 # An info metric (always 1): join it on the instance to label any series by model and variant.
 MODEL_INFO = Gauge(
     "vlmesh_model_info", "The model and variant a server serves (value 1)", ["service", "model", "variant"]

@@ -84,7 +84,7 @@ class Opened:
         return [self.refs[i] for i in self._in_place]
 
     def verify(self) -> None:
-        """FAILED_PRECONDITION unless every in-place tensor's lease still holds (so the slot was not reused)."""
+        """FAILED_PRECONDITION unless every in-place tensor's lease still holds (so its pages were not reused)."""
         for i, transport in self._in_place.items():
             transport.verify(self.refs[i])
 

@@ -1,18 +1,18 @@
 """CUDA_IPC: the GPU feature arena, one device allocation exported once over CUDA IPC.
 
-The vision process allocates `n_slots * slot_bytes` on its GPU at start-up and exports
+The vision process allocates `n_pages * page_bytes` on its GPU at start-up and exports
 the allocation's IPC handle once (PyTorch's storage-sharing tuple: the raw
 cudaIpcMemHandle_t, the storage's size and offset inside the allocation, and PyTorch's
-ref-counter and event handles). Slots are leased exactly like host slots; the lease
+ref-counter and event handles). Runs of pages are leased exactly like host ones; the lease
 table lives in the arena's shared-memory header (services/handoff/arena.py).
 
 Readiness, chosen by the producer (`--ready-signal`):
 - `sync`: the producer synchronises its stream after writing, before it replies;
-- `event`: the producer records the slot's interprocess CUDA event after writing and the
-  consumer's stream waits on it (events are exported once per slot and opened once).
+- `event`: the producer records the interprocess CUDA event of the run's first page after writing
+  and the consumer's stream waits on it (events are exported once per page and opened once).
 
 The consumer opens each arena's allocation once per process (opening, and PyTorch's first
-rebuild above all, is costly) and reads slots in place: `open` returns a view
+rebuild above all, is costly) and reads runs in place: `open` returns a view
 of the producer's memory, ordered after the producer's write on the consumer's stream, with
 no copy and no host synchronisation. The consumer must hold the lease until its kernels
 have read the view (the llm engine: until the prefill that copies the features into the
@@ -28,6 +28,8 @@ a consumer's imports are made for a CUDA device.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from services.common.config import READY_SIGNALS
@@ -38,6 +40,8 @@ from services.handoff.leases import Lease
 from services.handoff.transport import ArenaTransport
 from services.handoff.wire import Layout, Origin
 from vlmesh.v1 import common_pb2 as pb
+
+VIEW_CACHE = 4096  # typed views a consumer keeps (a few hundred bytes each)
 
 
 def gpu_uuid(device: torch.device) -> str:
@@ -52,12 +56,12 @@ def _bytes(value: object) -> bytes:
 
 
 class CudaArena(ArenaTable):
-    """A GPU arena: `n_slots` slots of `slot_bytes` in one device allocation, its IPC handle made once."""
+    """A GPU arena: `n_pages` pages of `page_bytes` in one device allocation, its IPC handle made once."""
 
     def __init__(
-        self, slot_bytes: int, n_slots: int, ttl_s: float, device: torch.device, ready: str, keep_limit: int = 0
+        self, page_bytes: int, n_pages: int, ttl_s: float, device: torch.device, ready: str, keep_limit: int = 0
     ) -> None:
-        super().__init__(slot_bytes, n_slots, ttl_s, CUDA, keep_limit)
+        super().__init__(page_bytes, n_pages, ttl_s, CUDA, keep_limit)
         if ready not in READY_SIGNALS:
             raise ValueError(f"ready signal {ready!r}: use one of {READY_SIGNALS}")
         self.device = device
@@ -65,8 +69,7 @@ class CudaArena(ArenaTable):
         self.gpu_uuid = gpu_uuid(device)
         self.stream = torch.cuda.current_stream(device)
         # One allocation for the arena's whole life; exported once.
-        self.buffer = torch.empty(n_slots * self.slot_bytes, dtype=torch.uint8, device=device)
-        self.slots = self.buffer.view(n_slots, self.slot_bytes).unbind()  # one uint8 view per slot
+        self.buffer = torch.empty(n_pages * self.page_bytes, dtype=torch.uint8, device=device)
         shared = self.buffer.untyped_storage()._share_cuda_()
         _dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = shared
         self.ipc = pb.CudaIpcHandle(
@@ -82,43 +85,41 @@ class CudaArena(ArenaTable):
         self.event_handles: list[bytes] = []
         if ready == "event":
             with torch.cuda.device(device):
-                self.events = [torch.cuda.Event(interprocess=True) for _ in range(n_slots)]
+                self.events = [torch.cuda.Event(interprocess=True) for _ in range(n_pages)]
                 for event in self.events:
                     event.record()  # an event must be recorded once before it has an IPC handle
                 self.event_handles = [bytes(e.ipc_handle()) for e in self.events]
 
     def write(self, tensor: torch.Tensor) -> tuple[Lease, int]:
-        """Enqueue a device-to-device copy into a fresh slot; `finish` makes it readable."""
+        """Enqueue a device-to-device copy into a fresh run of pages; `finish` makes it readable."""
         nbytes = tensor.numel() * tensor.element_size()
-        self.check_fits(nbytes)
-        lease = self.acquire()
-        self.slots[lease.slot][:nbytes].copy_(tensor.contiguous().view(-1).view(torch.uint8), non_blocking=True)
-        return lease, self.slot_offset(lease.slot)
+        lease = self.acquire(nbytes)
+        offset = self.page_offset(lease.page)
+        self.buffer[offset : offset + nbytes].copy_(tensor.contiguous().view(-1).view(torch.uint8), non_blocking=True)
+        return lease, offset
 
     def tensor(self, offset: int, layout: Layout) -> torch.Tensor:
-        """The producer's own view of a written slot (no copy)."""
-        slot = (offset - self.data_offset) // self.slot_bytes
-        return self.slots[slot][: layout.nbytes].view(layout.dtype).view(layout.shape)
+        """The producer's own view of a written run (no copy)."""
+        return self.buffer[offset : offset + layout.nbytes].view(layout.dtype).view(layout.shape)
 
     def finish(self, leases: list[Lease]) -> None:
-        """Signal readiness of written slots and publish their leases."""
+        """Signal readiness of written runs and publish their leases."""
         if self.ready == "sync":
             self.stream.synchronize()
         else:
             for lease in leases:
-                self.events[lease.slot].record(self.stream)
+                self.events[lease.page].record(self.stream)
         for lease in leases:
             self.publish(lease)
 
     def close(self) -> None:
         """Unlink the header and drop the allocation (consumers' mappings keep it alive until they go)."""
         super().close()
-        self.slots = ()
         self.buffer = None  # type: ignore[assignment]
 
 
 class CudaImports:
-    """Consumer side: opened arena allocations, slot views and events, cached for the process's life."""
+    """Consumer side: opened arena allocations, typed views and events, cached for the process's life."""
 
     def __init__(self, device: torch.device) -> None:
         torch.cuda.init()  # opening IPC handles needs an initialised CUDA context
@@ -126,8 +127,9 @@ class CudaImports:
         self.stream = torch.cuda.current_stream(device)
         self._buffers: dict[str, torch.Tensor] = {}
         self._events: dict[tuple[str, int], torch.cuda.Event] = {}
-        # (arena, offset, nbytes, dtype, shape) -> typed view; at most slots x shapes entries per arena.
-        self._views: dict[tuple, torch.Tensor] = {}
+        # (arena, offset, nbytes, dtype, shape) -> typed view, least recently used first: pictures of
+        # any size make offsets x shapes without end, so the most recent VIEW_CACHE stay.
+        self._views: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     def _buffer(self, name: str, ipc: pb.CudaIpcHandle) -> torch.Tensor:
         buf = self._buffers.get(name)
@@ -152,14 +154,14 @@ class CudaImports:
         return buf
 
     def open(self, view: ArenaView, ref: pb.TensorRef, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """A view of a GPU slot, readable by kernels launched after this on the consumer's stream.
+        """A view of a GPU run, readable by kernels launched after this on the consumer's stream.
 
         No copy, no host sync: valid while the caller holds the lease (see the module's doc).
         """
         if view.location != CUDA:
             raise FailedPrecondition(f"arena {view.name!r} is not a CUDA arena")
-        slot = view.slot(ref.offset, ref.nbytes)
-        view.check(slot, ref.lease.id)
+        pages = view.pages(ref.offset, ref.nbytes)
+        view.check(pages, ref.lease.id)
         key = (view.name, ref.offset, ref.nbytes, dtype, shape)
         out = self._views.get(key)
         if out is None:
@@ -167,11 +169,15 @@ class CudaImports:
             if ref.offset + ref.nbytes > buf.numel():
                 raise FailedPrecondition(f"tensor reference out of bounds of arena {view.name!r}")
             out = self._views[key] = buf[ref.offset : ref.offset + ref.nbytes].view(dtype).view(shape)
+            if len(self._views) > VIEW_CACHE:
+                self._views.popitem(last=False)
+        else:
+            self._views.move_to_end(key)
         if ref.ready == pb.READY_SIGNAL_CUDA_EVENT:
-            event = self._events.get((view.name, slot))
+            event = self._events.get((view.name, pages[0]))
             if event is None:
                 event = torch.cuda.Event.from_ipc_handle(self.device, ref.ready_event)
-                self._events[(view.name, slot)] = event
+                self._events[(view.name, pages[0])] = event
             self.stream.wait_event(event)
         return out
 
@@ -189,7 +195,7 @@ class CudaImports:
 
 
 class CudaIpcTransport(ArenaTransport):
-    """TRANSPORT_CUDA_IPC: leased slots of a GPU arena, read in place by a consumer on the same GPU.
+    """TRANSPORT_CUDA_IPC: leased pages of a GPU arena, read in place by a consumer on the same GPU.
 
     The consumer must hold the lease until its kernels have read the tensor, then `verify`.
     """
@@ -214,12 +220,12 @@ class CudaIpcTransport(ArenaTransport):
 
     @classmethod
     def producer(
-        cls, host: str, slot_bytes: int, n_slots: int, ttl_s: float, device: torch.device, ready: str, keep: int = 0
+        cls, host: str, page_bytes: int, n_pages: int, ttl_s: float, device: torch.device, ready: str, keep: int = 0
     ) -> CudaIpcTransport:
         """The producer's end: owns a fresh arena on `device` (its origin carries the GPU's UUID).
 
-        `keep` of its slots may be kept under content keys (see leases.py)."""
-        arena = CudaArena(slot_bytes, n_slots, ttl_s, device, ready, keep)
+        `keep` of its pages may be kept under content keys (see leases.py)."""
+        arena = CudaArena(page_bytes, n_pages, ttl_s, device, ready, keep)
         return cls(arena=arena, origin=Origin(host, arena.gpu_uuid), gpu_uuid=arena.gpu_uuid)
 
     @classmethod
@@ -239,7 +245,7 @@ class CudaIpcTransport(ArenaTransport):
         assert isinstance(arena, CudaArena)
         return arena.write(tensor)
 
-    def slot_tensor(self, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
+    def run_tensor(self, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
         arena = self._producer_arena()
         assert isinstance(arena, CudaArena)
         return arena.tensor(ref.offset, layout)
@@ -256,7 +262,7 @@ class CudaIpcTransport(ArenaTransport):
         ref.cuda_ipc.CopyFrom(arena.ipc)
         if arena.ready == "event":
             ref.ready = pb.READY_SIGNAL_CUDA_EVENT
-            ref.ready_event = arena.event_handles[lease.slot]
+            ref.ready_event = arena.event_handles[lease.page]
         return ref
 
     def _read(self, view: ArenaView, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:

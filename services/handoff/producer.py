@@ -6,8 +6,8 @@ possible. It negotiates a transport per consumer, exports through it, and takes 
 back early (`release`) or when they expire (`reap`).
 
 It also keeps features under content keys (the vision feature cache): `export` with keys
-keeps the written slots once their readers are done, and `lookup` hands out a new lease
-reference on a kept slot, with no copy when the consumer takes that arena's transport.
+keeps the written runs once their readers are done, and `lookup` hands out a new lease
+reference on a kept run, with no copy when the consumer takes that arena's transport.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from services.common.errors import InvalidArgument, ResourceExhausted
 from services.common.hostinfo import host_id
-from services.common.metrics import ARENA_SLOTS
+from services.common.metrics import ARENA_PAGES
 from services.handoff.inline import InlineTransport
 from services.handoff.shm import ShmTransport
 from services.handoff.transport import ArenaTransport, Transport
@@ -31,12 +31,13 @@ class Producer:
     """Exports feature tensors to consumers: one transport object per kind it offers."""
 
     def __init__(
-        self, slot_bytes: int, n_slots: int, ttl_s: float, device: torch.device, ready: str, keep: int = 0
+        self, page_bytes: int, n_pages: int, ttl_s: float, device: torch.device, ready: str, keep: int = 0
     ) -> None:
-        """Arenas of `n_slots` slots of `slot_bytes`, leases of `ttl_s`; CUDA IPC too when `device` is a GPU.
+        """Arenas of `n_pages` pages of `page_bytes`, leases of `ttl_s`; CUDA IPC too when `device` is a GPU.
 
-        `ready` ("sync" or "event") is how a CUDA slot's reader learns it is written. `keep`
-        more slots per arena hold kept features (0: nothing is kept).
+        A tensor takes a run of pages (one, where it fits one). `ready` ("sync" or "event") is how
+        a CUDA run's reader learns it is written. `keep` more pages per arena hold kept features
+        (0: nothing is kept).
         """
         self.host = host_id()
         self.gpu_uuid = ""
@@ -44,19 +45,19 @@ class Producer:
         if device.type == "cuda":
             from services.handoff.cuda import CudaIpcTransport  # CUDA is initialised only on a GPU
 
-            cuda = CudaIpcTransport.producer(self.host, slot_bytes, n_slots + keep, ttl_s, device, ready, keep)
+            cuda = CudaIpcTransport.producer(self.host, page_bytes, n_pages + keep, ttl_s, device, ready, keep)
             self.gpu_uuid = cuda.gpu_uuid
             arenas.append(cuda)
         origin = Origin(self.host, self.gpu_uuid)
-        arenas.append(ShmTransport.producer(origin, slot_bytes, n_slots + keep, ttl_s, keep))
+        arenas.append(ShmTransport.producer(origin, page_bytes, n_pages + keep, ttl_s, keep))
         # Best first; INLINE last, always possible and never offered (negotiation adds it).
         self._arenas: list[ArenaTransport] = arenas
         self._transports: list[Transport] = [*arenas, InlineTransport(origin)]
         self._by_kind = {t.kind: t for t in self._transports}
         for t in self._arenas:
-            ARENA_SLOTS.labels(t.label, "leased").set_function(lambda t=t: t.leased)
-            ARENA_SLOTS.labels(t.label, "kept").set_function(lambda t=t: t.arena.leases.kept)
-            ARENA_SLOTS.labels(t.label, "total").set(t.arena.n_slots if t.arena is not None else 0)
+            ARENA_PAGES.labels(t.label, "leased").set_function(lambda t=t: t.leased)
+            ARENA_PAGES.labels(t.label, "kept").set_function(lambda t=t: t.arena.leases.kept)
+            ARENA_PAGES.labels(t.label, "total").set(t.arena.n_pages if t.arena is not None else 0)
 
     @property
     def keeps(self) -> bool:
@@ -99,7 +100,7 @@ class Producer:
 
         `consumer` is the consumer's ConsumerInfo (negotiated here) or the transport that
         `negotiate` already chose for it (a caller that refuses a bad consumer before any work).
-        With `keys` (one content key per tensor), the references carry them and the slots are
+        With `keys` (one content key per tensor), the references carry them and the runs are
         kept under them where the arena has room; for an INLINE consumer a copy is kept in the
         best arena, for the next consumer of that key.
         """
@@ -127,7 +128,7 @@ class Producer:
     def lookup(self, key: bytes, transport: Transport) -> pb.TensorRef | None:
         """A reference through `transport` to the features kept under `key`; None on a miss.
 
-        Kept in `transport`'s own arena: one more reference to the same slot and lease (no
+        Kept in `transport`'s own arena: one more reference to the same run and lease (no
         copy, no write). Kept in another arena (a consumer that takes another transport):
         copied out of it, through `transport`.
         """
@@ -142,7 +143,7 @@ class Producer:
             if home is transport:
                 return ref
             try:
-                (out,) = transport.export([home.slot_tensor(ref, layout(ref))])
+                (out,) = transport.export([home.run_tensor(ref, layout(ref))])
             finally:
                 home.release(reader)
             out.content_key = key
@@ -155,12 +156,12 @@ class Producer:
         return sum(any(t.release(lease_id) for t in self._arenas) for lease_id in lease_ids)
 
     def reap(self) -> int:
-        """Reclaim the slots whose lease expired unreleased; return how many."""
+        """Reclaim the runs whose lease expired unreleased; return how many."""
         return sum(t.reap() for t in self._arenas)
 
     @property
     def leased(self) -> int:
-        """Slots leased now, over all arenas."""
+        """Pages leased now, over all arenas."""
         return sum(t.leased for t in self._arenas)
 
     def close(self) -> None:

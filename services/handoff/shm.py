@@ -1,7 +1,7 @@
-"""SHM: the host-memory feature arena, whose slot data lives in the header's shared-memory segment.
+"""SHM: the host-memory feature arena, whose pages live in the header's shared-memory segment.
 
 This is the transport on a CPU host (and between any two processes of one host). The
-consumer copies a slot out, checking the lease before and after the copy, so the lease
+consumer copies a run of pages out, checking the lease before and after the copy, so the lease
 may go as soon as `open` returns.
 """
 
@@ -19,22 +19,21 @@ from vlmesh.v1 import common_pb2 as pb
 
 
 class ShmArena(ArenaTable):
-    """A host arena: `n_slots` slots of `slot_bytes` in one POSIX shared-memory segment."""
+    """A host arena: `n_pages` pages of `page_bytes` in one POSIX shared-memory segment."""
 
-    def __init__(self, slot_bytes: int, n_slots: int, ttl_s: float, keep_limit: int = 0) -> None:
-        super().__init__(slot_bytes, n_slots, ttl_s, HOST, keep_limit)
+    def __init__(self, page_bytes: int, n_pages: int, ttl_s: float, keep_limit: int = 0) -> None:
+        super().__init__(page_bytes, n_pages, ttl_s, HOST, keep_limit)
 
     def tensor(self, offset: int, layout: Layout) -> torch.Tensor:
-        """The producer's own view of a written slot (no copy)."""
+        """The producer's own view of a written run (no copy)."""
         src = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=layout.nbytes, offset=offset)
         return src.view(layout.dtype).view(layout.shape)
 
     def write(self, tensor: torch.Tensor) -> tuple[Lease, int]:
-        """Copy a tensor (any device) into a fresh slot; return its lease and byte offset."""
+        """Copy a tensor (any device) into a fresh run of pages; return its lease and byte offset."""
         nbytes = tensor.numel() * tensor.element_size()
-        self.check_fits(nbytes)
-        lease = self.acquire()
-        offset = self.slot_offset(lease.slot)
+        lease = self.acquire(nbytes)
+        offset = self.page_offset(lease.page)
         dst = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
         dst.copy_(tensor.contiguous().view(-1).view(torch.uint8))  # from a GPU: a synchronous D2H copy
         self.publish(lease)
@@ -42,19 +41,19 @@ class ShmArena(ArenaTable):
 
 
 def read_host(view: ArenaView, offset: int, nbytes: int, lease_id: int, dtype: torch.dtype, shape: list[int]):
-    """Copy a host-arena slot out as a tensor of `shape`, validated before and after the copy."""
+    """Copy a host-arena run out as a tensor of `shape`, validated before and after the copy."""
     if view.location != HOST:
         raise FailedPrecondition(f"arena {view.name!r} is not a host-memory arena")
-    slot = view.slot(offset, nbytes)
-    view.check(slot, lease_id)
+    pages = view.pages(offset, nbytes)
+    view.check(pages, lease_id)
     src = torch.frombuffer(view.shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
     out = src.clone().view(dtype).view(shape)
-    view.check(slot, lease_id, margin_s=0.0)  # not freed (and so not reused) while we copied
+    view.check(pages, lease_id, margin_s=0.0)  # not freed (and so not reused) while we copied
     return out
 
 
 class ShmTransport(ArenaTransport):
-    """TRANSPORT_SHM: leased slots of a host arena; the consumer copies them out (not in place)."""
+    """TRANSPORT_SHM: leased pages of a host arena; the consumer copies them out (not in place)."""
 
     kind = pb.TRANSPORT_SHM
     label = "shm"
@@ -62,9 +61,9 @@ class ShmTransport(ArenaTransport):
     arena: ShmArena | None
 
     @classmethod
-    def producer(cls, origin: Origin, slot_bytes: int, n_slots: int, ttl_s: float, keep: int = 0) -> ShmTransport:
-        """The producer's end: owns a fresh host arena (`keep` of its slots may be kept, see leases.py)."""
-        return cls(arena=ShmArena(slot_bytes, n_slots, ttl_s, keep), origin=origin)
+    def producer(cls, origin: Origin, page_bytes: int, n_pages: int, ttl_s: float, keep: int = 0) -> ShmTransport:
+        """The producer's end: owns a fresh host arena (`keep` of its pages may be kept, see leases.py)."""
+        return cls(arena=ShmArena(page_bytes, n_pages, ttl_s, keep), origin=origin)
 
     @classmethod
     def consumer(cls, views: ArenaViews) -> ShmTransport:
@@ -76,7 +75,7 @@ class ShmTransport(ArenaTransport):
         assert isinstance(arena, ShmArena)
         return arena.write(tensor)  # published on write: readable at once
 
-    def slot_tensor(self, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
+    def run_tensor(self, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
         arena = self._producer_arena()
         assert isinstance(arena, ShmArena)
         return arena.tensor(ref.offset, layout)

@@ -1,7 +1,7 @@
 """The interface every transport (CUDA_IPC, SHM, INLINE) implements, and the base of the two arena ones.
 
 A transport object holds both ends of one kind of hand-off. A process makes it for one
-role: the producer's (`export`, `release`, `reap`: it owns the arena and writes slots) or
+role: the producer's (`export`, `release`, `reap`: it owns the arena and writes its pages) or
 the consumer's (`open`, `verify`: it reads references). The Producer and Consumer roles
 (producer.py, consumer.py) hold one object per kind and never branch on the kind.
 """
@@ -17,7 +17,7 @@ import torch
 from services.common.errors import FailedPrecondition, Unavailable
 from services.handoff.arena import ArenaTable, ArenaView, ArenaViews
 from services.handoff.leases import Lease
-from services.handoff.wire import Layout, Origin, slot_ref, transport_name
+from services.handoff.wire import Layout, Origin, arena_ref, transport_name
 from vlmesh.v1 import common_pb2 as pb
 
 
@@ -25,9 +25,9 @@ class Transport(Protocol):
     """One kind of feature hand-off, producer side and consumer side."""
 
     kind: int  # the pb.Transport value it answers to
-    label: str  # its arena's name in the vlmesh_arena_slots metric ("cuda", "shm", "inline")
+    label: str  # its arena's name in the vlmesh_arena_pages metric ("cuda", "shm", "inline")
     in_place: bool  # `open` returns the producer's memory itself, not a copy (see `verify`)
-    arena: ArenaTable | None  # producer side: the arena its slots live in; None without slots
+    arena: ArenaTable | None  # producer side: the arena its pages live in; None without pages
 
     @property
     def name(self) -> str:
@@ -42,7 +42,7 @@ class Transport(Protocol):
     def export(self, features: Sequence[torch.Tensor]) -> list[pb.TensorRef]:
         """Producer side: one reference per tensor, all readable by the consumer when this returns.
 
-        Each slot is leased; if any write fails, the slots already written are released.
+        Each tensor's run of pages is leased; if any write fails, the runs already written are released.
         RESOURCE_EXHAUSTED when the arena is full.
         """
         ...
@@ -52,12 +52,12 @@ class Transport(Protocol):
         ...
 
     def reap(self) -> int:
-        """Producer side: reclaim the slots whose lease expired unreleased; return how many."""
+        """Producer side: reclaim the runs whose lease expired unreleased; return how many."""
         ...
 
     @property
     def leased(self) -> int:
-        """Producer side: how many slots are leased now."""
+        """Producer side: how many pages are leased now."""
         ...
 
     def open(self, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
@@ -73,7 +73,7 @@ class Transport(Protocol):
         """Consumer side: FAILED_PRECONDITION unless what `open` returned for `ref` is still valid.
 
         Call it after the tensor was read in place: the lease still holding means the producer
-        cannot have reused the slot meanwhile. A no-op for copies.
+        cannot have reused the pages meanwhile. A no-op for copies.
         """
         ...
 
@@ -100,10 +100,10 @@ class TransportBase:
 
 
 class ArenaTransport(TransportBase, abc.ABC):
-    """The part SHM and CUDA_IPC share: leased slots of an arena, references checked against its header.
+    """The part SHM and CUDA_IPC share: leased runs of an arena's pages, references checked against its header.
 
-    Subclasses say how a slot is written (`_write`, `_finish`), what a reference carries
-    besides the slot (`_ref`) and how a checked slot is read (`_read`).
+    Subclasses say how a run is written (`_write`, `_finish`), what a reference carries
+    besides the run (`_ref`) and how a checked run is read (`_read`).
     """
 
     def __init__(
@@ -122,17 +122,17 @@ class ArenaTransport(TransportBase, abc.ABC):
 
     @abc.abstractmethod
     def _write(self, tensor: torch.Tensor) -> tuple[Lease, int]:
-        """Copy one tensor into a fresh leased slot; return the lease and the slot's byte offset."""
+        """Copy one tensor into a fresh leased run of pages; return the lease and the run's byte offset."""
 
     @abc.abstractmethod
-    def slot_tensor(self, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
-        """The producer's own view of a slot it exported as `ref` (no copy)."""
+    def run_tensor(self, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
+        """The producer's own view of a run it exported as `ref` (no copy)."""
 
     def _finish(self, leases: list[Lease]) -> None:
-        """Make written slots readable (signal readiness, publish their leases)."""
+        """Make written runs readable (signal readiness, publish their leases)."""
 
     def _ref(self, lease: Lease, offset: int, tensor: torch.Tensor) -> pb.TensorRef:
-        return slot_ref(self.origin, self.kind, self._producer_arena().name, lease, offset, tensor)
+        return arena_ref(self.origin, self.kind, self._producer_arena().name, lease, offset, tensor)
 
     def export(self, features: Sequence[torch.Tensor]) -> list[pb.TensorRef]:
         arena = self._producer_arena()
@@ -162,7 +162,7 @@ class ArenaTransport(TransportBase, abc.ABC):
 
     @abc.abstractmethod
     def _read(self, view: ArenaView, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
-        """The checked slot's tensor (a copy, or in place)."""
+        """The checked run's tensor (a copy, or in place)."""
 
     def _forget(self, name: str) -> None:
         """Drop what this process cached of an arena whose producer is gone."""
@@ -181,7 +181,7 @@ class ArenaTransport(TransportBase, abc.ABC):
         if not self.in_place:
             return  # a copy: checked before and after it was made
         view = self.views.get(ref.arena_id)
-        view.check(view.slot(ref.offset, ref.nbytes), ref.lease.id, margin_s=0.0)
+        view.check(view.pages(ref.offset, ref.nbytes), ref.lease.id, margin_s=0.0)
 
     def close(self) -> None:
         if self.arena is not None:

@@ -2,7 +2,7 @@
 
 The producer picks the transport with `choose_transport` (negotiation); every fallback from
 the consumer's first choice is logged and counted, none is silent. A TensorRef names the
-tensor's layout (dtype, shape, byte size), where it lives (an arena slot and its lease, or
+tensor's layout (dtype, shape, byte size), where it lives (a run of arena pages and its lease, or
 inline bytes) and who made it (host and GPU).
 """
 
@@ -65,7 +65,7 @@ def layout(ref: pb.TensorRef) -> Layout:
     return Layout(dtype, shape, math.prod(shape) * dtype.itemsize)
 
 
-def slot_ref(
+def arena_ref(
     origin: Origin, transport: int, arena_id: str, lease: Lease, offset: int, tensor: torch.Tensor
 ) -> pb.TensorRef:
     """A reference to `tensor` written at `offset` of an arena, under `lease`.

@@ -43,11 +43,16 @@ class VisionConfig:
         "pixels, none of the preprocessing threads' milliseconds); --no-gpu-resize resizes them with "
         "Pillow on those threads (default %(default)s)",
     )
-    arena_slots: int = flag("--arena-slots", default=64, help="feature slots in the arena (default %(default)s)")
+    arena_slots: int = flag(
+        "--arena-slots",
+        default=64,
+        help="pictures of the model's largest size the feature arena holds at once; its pages are "
+        "shared by size, so it holds more smaller ones (default %(default)s)",
+    )
     lease_ttl_s: float = flag(
         "--lease-ttl-s",
         default=30.0,
-        help="seconds before an unreleased feature slot is reclaimed (default %(default)s)",
+        help="seconds before the arena pages of unreleased features are reclaimed (default %(default)s)",
     )
     feature_cache_mib: float = flag(
         "--feature-cache-mib",
@@ -87,12 +92,6 @@ class VisionConfig:
             problems.append(f"--preprocess-workers {self.preprocess_workers} must be >= 1")
         if problems:
             raise ValueError("; ".join(problems))
-
-
-def kept_slots(cache_mib: float, slot_bytes: int) -> int:
-    """How many feature slots `--feature-cache-mib` holds (slots are page-aligned)."""
-    page = 4096  # the arenas' slot alignment (services/handoff/arena.py)
-    return int(cache_mib * 2**20) // ((slot_bytes + page - 1) // page * page)
 
 
 def parse(argv: list[str] | None = None) -> VisionConfig:

@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 # One picture's pixels (CPU, uint8 [h, w, 3]): one per tower input, or the picture as decoded.
 Pixels = tuple[torch.Tensor, ...]
 
+# Where pictures take tokens by their size, an arena page holds this many (a 112x112 picture of
+# Qwen2.5-VL's): a picture leaves less than a page unused, and the arena counts pages not pictures.
+PAGE_TOKENS = 16
+
 
 class VisionEncoder:
     def __init__(
@@ -89,4 +93,16 @@ class VisionEncoder:
 
     @property
     def feature_bytes(self) -> int:
-        return self.spec.image_tokens * self.spec.text.hidden * torch.empty((), dtype=self.dtype).element_size()
+        """The largest picture's features."""
+        return self.spec.image_tokens * self._token_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """One page of the feature arenas: a whole picture's features where every picture takes
+        `image_tokens`, else PAGE_TOKENS' worth (a picture takes a run of pages)."""
+        tokens = min(self.spec.image_tokens, PAGE_TOKENS) if self.spec.image_grid else self.spec.image_tokens
+        return tokens * self._token_bytes
+
+    @property
+    def _token_bytes(self) -> int:
+        return self.spec.text.hidden * torch.empty((), dtype=self.dtype).element_size()

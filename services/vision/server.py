@@ -8,6 +8,7 @@ import logging
 from services.common.memory import MemoryGuard
 from services.common.metrics import watch_gpu_memory
 from services.common.server import run_service, serve_until_signal, start_server
+from services.handoff.header import align, pages_in
 from services.handoff.producer import Producer
 from services.model.spec import load_spec
 from services.vision import config as vision_config
@@ -32,8 +33,11 @@ async def serve(cfg: vision_config.VisionConfig) -> None:
         spec, cfg.model.device, cfg.model.dtype, cfg.max_batch if cfg.graphs else 0, gpu_resize=cfg.gpu_resize
     )
     watch_gpu_memory("vision", encoder.device)
-    keep = vision_config.kept_slots(cfg.feature_cache_mib, encoder.feature_bytes)
-    producer = Producer(encoder.feature_bytes, cfg.arena_slots, cfg.lease_ttl_s, encoder.device, cfg.ready_signal, keep)
+    # --arena-slots of the largest pictures, in pages that smaller pictures share out by their size.
+    page_bytes = align(encoder.page_bytes)
+    n_pages = cfg.arena_slots * -(-encoder.feature_bytes // page_bytes)
+    keep = pages_in(cfg.feature_cache_mib, page_bytes)
+    producer = Producer(page_bytes, n_pages, cfg.lease_ttl_s, encoder.device, cfg.ready_signal, keep)
     batcher = VisionBatcher(encoder, cfg.max_batch)
     batcher.start()
     memory = MemoryGuard.for_device("vision", encoder.device, cfg.model.memory_watermarks)
@@ -46,11 +50,12 @@ async def serve(cfg: vision_config.VisionConfig) -> None:
             [vision_pb2.DESCRIPTOR.services_by_name["Vision"].full_name],
         )
         log.info(
-            "vision serving on %s:%d (arenas %s, %d slots each, %d more keep features: %s)",
+            "vision serving on %s:%d (arenas %s, %d pages of %d KiB each, %d more keep features: %s)",
             cfg.server.host,
             running.port,
             ", ".join(producer.arena_names),
-            cfg.arena_slots,
+            n_pages,
+            page_bytes // 1024,
             keep,
             f"a {cfg.feature_cache_mib} MiB cache" if keep else "the cache is off",
         )

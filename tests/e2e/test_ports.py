@@ -129,7 +129,7 @@ def test_nothing_listens_twice_on_a_mesh_with_ports_0(mesh):
 def test_the_llm_finds_a_vision_on_port_0_through_its_port_file(mesh):
     """The llm starts before the vision's port is known; it releases each feature lease to the
     vision at once (the vision's TTL, 30 s, would reclaim it otherwise)."""
-    leased = 'vlmesh_arena_slots{arena="shm",state="leased"}'
+    leased = 'vlmesh_arena_pages{arena="shm",state="leased"}'
     image = pb.Image(data=image_bytes(11))
     req = gateway_pb2.GenerateRequest(images=[image], prompt="Describe it.", sampling=pb.SamplingParams(max_tokens=2))
     with grpc.insecure_channel(mesh.target("gateway")) as ch:

@@ -202,6 +202,6 @@ def test_mesh_on_gpu_uses_cuda_ipc_and_answers_like_the_cpu(tmp_path):
                 for i, (d, p) in enumerate(jobs)
             ]
         # The llm releases each lease after its prefill has read the slot in place: none is left.
-        series = 'vlmesh_arena_slots{arena="cuda",state="leased"}'
+        series = 'vlmesh_arena_pages{arena="cuda",state="leased"}'
         assert settle(mesh.metrics_ports["vision"], series, 0.0) == 0.0
     assert got == expected

@@ -27,7 +27,7 @@ def test_a_hit_on_the_gpu_is_the_kept_device_slot_and_a_host_consumer_gets_a_cop
         hit = producer.lookup(b"k" * 16, cuda)
         assert hit is not None and (hit.offset, hit.lease.id) == (first.offset, first.lease.id)
         assert hit.content_key == b"k" * 16
-        assert torch.equal(cuda.slot_tensor(hit, layout(hit)), features)  # the slot holds them, unchanged
+        assert torch.equal(cuda.run_tensor(hit, layout(hit)), features)  # the slot holds them, unchanged
         copied = producer.lookup(b"k" * 16, shm)  # a consumer on another GPU: a host copy of the slot
         assert copied is not None and copied.transport == pb.TRANSPORT_SHM
         assert torch.equal(consumer.open([copied]).tensors[0], features.cpu())

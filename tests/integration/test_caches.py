@@ -86,7 +86,7 @@ def test_64_concurrent_requests_over_8_pictures_each_get_their_own_answer(mesh):
     skipped = counter(gateway, 'vlmesh_vision_skips_total{result="skipped"}')
     assert hits + misses + skipped == 66 and skipped >= 1
     assert hits > 0 and misses > 8  # 8 pictures, 3 slots: evicted and encoded again
-    assert counter(vision, 'vlmesh_arena_slots{arena="shm",state="kept"}') <= KEPT
+    assert counter(vision, 'vlmesh_arena_pages{arena="shm",state="kept"}') <= KEPT
     assert counter(llm, 'vlmesh_prefix_cache_tokens_total{result="hit"}') > 0
     assert counter(llm, "vlmesh_prefix_first_tokens_total") >= 1
 

@@ -173,7 +173,7 @@ def test_metrics_endpoints_pass_promtool(mesh):
     assert 'vlmesh_requests_total{code="INVALID_ARGUMENT",method="GenerateUnary",service="gateway"}' in gateway
     assert 'vlmesh_request_duration_seconds_bucket{le="0.8",qos_level="realtime"}' in gateway
     assert 'vlmesh_kv_slots{state="free"}' in scrape(mesh.metrics_ports["llm"])
-    assert 'vlmesh_arena_slots{arena="shm",state="leased"}' in scrape(mesh.metrics_ports["vision"])
+    assert 'vlmesh_arena_pages{arena="shm",state="leased"}' in scrape(mesh.metrics_ports["vision"])
 
 
 def query(base: str, expr: str) -> float:

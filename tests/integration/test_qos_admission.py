@@ -98,7 +98,7 @@ def assert_idle(mesh) -> None:
         series = f'vlmesh_queue_depth{{qos_level="{level}",service="llm"}}'
         assert settle(ports["llm"], series, 0.0, absent_is_zero=True) in (0.0, None)
     assert settle(ports["llm"], 'vlmesh_kv_slots{state="used"}', 0.0) == 0.0
-    assert settle(ports["vision"], 'vlmesh_arena_slots{arena="shm",state="leased"}', 0.0) == 0.0
+    assert settle(ports["vision"], 'vlmesh_arena_pages{arena="shm",state="leased"}', 0.0) == 0.0
     assert serving(mesh)
 
 

@@ -22,7 +22,7 @@ from services.handoff.shm import ShmArena, read_host
 
 @pytest.fixture
 def arena():
-    a = ShmArena(slot_bytes=4 * 64, n_slots=3, ttl_s=30)
+    a = ShmArena(page_bytes=4 * 64, n_pages=3, ttl_s=30)
     yield a
     a.close()
 
@@ -78,7 +78,7 @@ def test_full_arena_is_resource_exhausted(arena):
 
 
 def test_ttl_reclaims_unreleased_slots():
-    arena = ShmArena(slot_bytes=256, n_slots=2, ttl_s=0.05)
+    arena = ShmArena(page_bytes=256, n_pages=2, ttl_s=0.05)
     try:
         lease, offset = arena.write(torch.ones(64))
         time.sleep(0.1)
@@ -91,7 +91,7 @@ def test_ttl_reclaims_unreleased_slots():
 
 
 def test_lease_about_to_expire_is_refused():
-    arena = ShmArena(slot_bytes=256, n_slots=2, ttl_s=0.2)  # under the 0.5 s safety margin
+    arena = ShmArena(page_bytes=256, n_pages=2, ttl_s=0.2)  # under the 0.5 s safety margin
     try:
         lease, offset = arena.write(torch.ones(64))
         with pytest.raises(FailedPrecondition, match="about to expire"):
@@ -209,6 +209,6 @@ def test_each_reader_releases_once():
     assert table.release(lease.id) == (True, None)
     assert table.release(lease.id) == (False, None)  # the same reader again: nothing, the other still holds
     assert lease.refs == 1
-    assert table.release(second) == (True, lease.slot)
+    assert table.release(second) == (True, lease)
     assert table.release(second) == (False, None)
     assert table.leased == 0

@@ -50,7 +50,7 @@ def test_no_common_transport():
 @pytest.mark.parametrize("transport", [SHM, INLINE])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_roundtrip_bit_exact(transport, dtype):
-    producer = Producer(slot_bytes=16 * 32 * 4, n_slots=4, ttl_s=30, device=torch.device("cpu"), ready="sync")
+    producer = Producer(page_bytes=16 * 32 * 4, n_pages=4, ttl_s=30, device=torch.device("cpu"), ready="sync")
     consumer = Consumer()
     try:
         feats = [torch.randn(16, 32).to(dtype) for _ in range(3)]
@@ -70,7 +70,7 @@ def test_roundtrip_bit_exact(transport, dtype):
 
 
 def test_cuda_reference_on_a_cpu_consumer_is_refused():
-    producer = Producer(slot_bytes=256, n_slots=2, ttl_s=30, device=torch.device("cpu"), ready="sync")
+    producer = Producer(page_bytes=256, n_pages=2, ttl_s=30, device=torch.device("cpu"), ready="sync")
     try:
         ref = producer.export([torch.ones(8, 8)], producer.transport(SHM))[0]
         ref.transport = CUDA

@@ -20,7 +20,7 @@ def test_a_kept_lease_is_found_by_its_key_and_survives_its_readers():
     table = LeaseTable(3, ttl_s=10, keep_limit=2)
     lease = table.acquire()
     assert table.keep(lease.id, b"a") is True
-    assert table.release(lease.id) == (True, lease.slot)  # unread now, but kept: not freed
+    assert table.release(lease.id) == (True, lease)  # unread now, but kept: not freed
     assert (table.leased, table.kept) == (0, 1)
     again, reader = table.find(b"a")
     assert again is lease and again.refs == 1 and table.leased == 1 and reader != lease.id
@@ -35,7 +35,7 @@ def test_idle_kept_slots_are_evicted_least_recently_used_first_and_read_ones_nev
     table.keep(b.id, b"b")
     table.release(a.id)  # a idle; b still read
     fresh = table.acquire()  # no free slot: a (idle) goes, b (read) stays
-    assert fresh.slot == a.slot and table.find(b"a") is None and table.evictions == 1
+    assert fresh.page == a.page and table.find(b"a") is None and table.evictions == 1
     with pytest.raises(ResourceExhausted):
         table.acquire()  # b is read, fresh is held: nothing to evict
     table.release(b.id)
@@ -59,7 +59,7 @@ def test_no_keep_limit_keeps_nothing():
     table = LeaseTable(2, ttl_s=10)
     lease = table.acquire()
     assert table.keep(lease.id, b"a") is False
-    assert table.release(lease.id) == (True, lease.slot)
+    assert table.release(lease.id) == (True, lease)
 
 
 def test_an_expired_kept_lease_goes_idle_not_free():
@@ -67,13 +67,13 @@ def test_an_expired_kept_lease_goes_idle_not_free():
     lease = table.acquire()  # a reader that never releases
     table.keep(lease.id, b"a")
     time.sleep(0.1)
-    assert table.reap() == [lease.slot]  # unread now (its header entry goes), not freed
+    assert table.reap() == [lease]  # unread now (its header entry goes), not freed
     assert table.leased == 0 and table.release(lease.id) == (False, None)  # its hold went with the TTL
     assert table.find(b"a")[0] is lease and lease.refs == 1
 
 
-def test_an_evicted_slot_refuses_its_old_references_before_it_is_overwritten():
-    arena = ShmArena(slot_bytes=256, n_slots=1, ttl_s=30, keep_limit=1)
+def test_an_evicted_arena_refuses_its_old_references_before_it_is_overwritten():
+    arena = ShmArena(page_bytes=256, n_pages=1, ttl_s=30, keep_limit=1)
     try:
         lease, offset = arena.write(torch.ones(64))
         arena.leases.keep(lease.id, b"a")
@@ -87,10 +87,10 @@ def test_an_evicted_slot_refuses_its_old_references_before_it_is_overwritten():
             assert read_host(view, offset, 256, lease.id, torch.float32, [64]).sum() == 64
             assert arena.release(lease.id) is False  # the first reader's hold is gone already
             assert arena.release(reader) is True
-            fresh = arena.acquire()  # evicts a; its header entry is cleared before any write
+            fresh = arena.acquire(256)  # evicts a; its header entry is cleared before any write
             with pytest.raises(FailedPrecondition, match="stale"):
                 read_host(view, offset, 256, lease.id, torch.float32, [64])
-            assert fresh.slot == lease.slot
+            assert fresh.page == lease.page
         finally:
             view.close()
     finally:
@@ -101,7 +101,7 @@ def test_a_share_racing_the_last_release_stays_readable(monkeypatch):
     """The last reader's release makes a kept slot idle and clears its header entry; another
     reader's share publishes the entry again. A share that lands between the two must not be
     wiped by the clear: the header changes under the same lock as the table."""
-    arena = ShmArena(slot_bytes=256, n_slots=1, ttl_s=30, keep_limit=1)
+    arena = ShmArena(page_bytes=256, n_pages=1, ttl_s=30, keep_limit=1)
     try:
         lease, offset = arena.write(torch.ones(64))
         arena.leases.keep(lease.id, b"a")
@@ -135,7 +135,7 @@ def test_a_share_racing_the_last_release_stays_readable(monkeypatch):
 def test_a_slot_freed_and_taken_at_once_keeps_its_new_entry(monkeypatch):
     """A release that frees a slot clears its entry; a write that takes the freed slot at once
     publishes a new one. The new entry must survive the old release's clear."""
-    arena = ShmArena(slot_bytes=256, n_slots=1, ttl_s=30)
+    arena = ShmArena(page_bytes=256, n_pages=1, ttl_s=30)
     try:
         old, offset = arena.write(torch.ones(64))
         clear = arena._clear
@@ -185,11 +185,11 @@ def test_a_reader_in_another_process_never_sees_a_half_written_entry():
     """A share rewrites a kept slot's entry with the same id and a later expiry, over and over;
     a reader in another process (truly parallel) must see the id and a real expiry every time.
     (struct.pack_into zero-fills a field before writing it: that reader saw id 0 or expiry 0.)"""
-    arena = ShmArena(slot_bytes=256, n_slots=2, ttl_s=30, keep_limit=2)
+    arena = ShmArena(page_bytes=256, n_pages=2, ttl_s=30, keep_limit=2)
     try:
         arena.write(torch.zeros(64))
         lease, _ = arena.write(torch.ones(64))
-        assert lease.slot == 1
+        assert lease.page == 1
         arena.leases.keep(lease.id, b"a")
         reader = subprocess.Popen(
             [sys.executable, "-c", READER, arena.name, str(lease.id), "1.5"], stdout=subprocess.PIPE, text=True

@@ -38,7 +38,7 @@ class FakeVision:
 
 @pytest.fixture
 def producer():
-    p = Producer(slot_bytes=TOKENS * HIDDEN * 4, n_slots=4, ttl_s=30, device=torch.device("cpu"), ready="sync")
+    p = Producer(page_bytes=TOKENS * HIDDEN * 4, n_pages=4, ttl_s=30, device=torch.device("cpu"), ready="sync")
     yield p
     p.close()
 

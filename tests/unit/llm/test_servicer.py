@@ -136,8 +136,8 @@ def spec(tiny_model):
 @pytest.fixture
 def producer(spec):
     p = Producer(
-        slot_bytes=spec.image_tokens * spec.text.hidden * 4,
-        n_slots=4,
+        page_bytes=spec.image_tokens * spec.text.hidden * 4,
+        n_pages=4,
         ttl_s=30,
         device=torch.device("cpu"),
         ready="sync",

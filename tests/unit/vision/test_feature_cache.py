@@ -12,7 +12,6 @@ from services.common import metrics
 from services.handoff.producer import Producer
 from services.handoff.wire import lease_ids
 from services.model.llava import ClipProcessor
-from services.vision.config import kept_slots
 from services.vision.feature_cache import FeatureCache, config_salt
 from tests.helpers import consumer_info, encode_request, image_bytes, vision_reference, vision_service
 from vlmesh.v1 import common_pb2 as pb
@@ -181,12 +180,3 @@ def test_the_key_covers_bytes_model_preprocessing_and_dtype(encoder, producer):
     assert key(data) == key(bytes(data))
     assert key(data) != key(data + b"\0")  # equal pixels in other bytes miss, by design
     assert all(FeatureCache(producer, other, True).key(data) != key(data) for other in others)
-
-
-def test_kept_slots_follow_the_arena_alignment():
-    from services.handoff.header import align
-
-    assert kept_slots(1, 4096) == 256
-    assert kept_slots(1, 5000) == 2**20 // align(5000) == 128
-    assert kept_slots(0, 4096) == 0
-    assert kept_slots(0.25, 4096) == 64

@@ -22,7 +22,7 @@ PICTURES = [image_bytes(11, (48, 40), "PNG"), image_bytes(12, (64, 96), "JPEG")]
 
 @pytest.fixture
 def producer(encoder):
-    p = Producer(slot_bytes=encoder.feature_bytes, n_slots=SLOTS, ttl_s=30, device=torch.device("cpu"), ready="sync")
+    p = Producer(page_bytes=encoder.feature_bytes, n_pages=SLOTS, ttl_s=30, device=torch.device("cpu"), ready="sync")
     yield p
     p.close()
 
