@@ -70,10 +70,11 @@ class VisionEncoder:
         runs on the device); `max_pixels` (0: the model's) lowers a grid family's limit.
         Raises InvalidArgument naming `name`."""
         img: Image.Image = decode_image(data, name=name)
-        if max_pixels:
-            self.check_max_pixels(max_pixels, name)
-            return self.processor.pixels(img, name, max_pixels)  # type: ignore[call-arg]
-        return self.processor.pixels(img, name)
+        if not max_pixels:
+            return self.processor.pixels(img, name)
+        if not self.spec.image_grid:
+            self.check_max_pixels(max_pixels, name)  # refused: the model reads every picture at one size
+        return self.processor.pixels(img, name, max_pixels)  # type: ignore[call-arg]  # checks its range
 
     @torch.inference_mode()
     def encode(self, batch: Sequence[Pixels]) -> torch.Tensor | list[torch.Tensor]:
