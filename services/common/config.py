@@ -20,7 +20,7 @@ from services.common.memory import Watermarks, parse_watermarks
 SWITCH_INTERVAL_MS = 0.5
 # How a CUDA hand-off's reader knows the slot is written (services/common/cuda_arena.py).
 READY_SIGNALS = ("sync", "event")
-QUANTIZATIONS = ("none", "int8", "int4")  # --quantize (services/model/quantize.py)
+QUANTIZATIONS = ("none", "int8", "int4", "fp8")  # --quantize (services/model/quantize.py)
 VARIANT_METADATA_KEY = "x-model-variant"  # response: who served; request: who must serve
 # A request's `model` may pin a variant as MODEL:VARIANT (e.g. demo:int8), for clients that set
 # no headers (OpenAI's); a router reads it from the body (services/launcher/envoy.py).

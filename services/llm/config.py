@@ -63,9 +63,10 @@ class NativeEngineConfig:
         "--quantize",
         default="none",
         choices=QUANTIZATIONS,
-        help="weight-only quantization of the decoder layers at load time, from the same checkpoint: int8 "
+        help="quantization of the decoder layers at load time, from the same checkpoint: weight-only int8 "
         "(per-channel scales; CPU and CUDA) or int4 (groups of 128 input channels, or 64 or 32 where the widths "
-        "ask; CUDA and bf16 only) (default %(default)s)",
+        "ask; CUDA and bf16 only), or fp8 (e4m3 weights with per-channel scales, fp8 GEMMs with per-token "
+        "scales for prompts; bf16 on a GPU of compute capability 8.9+: Ada, Hopper) (default %(default)s)",
     )
     prefix_cache: bool = flag(
         "--prefix-cache",
@@ -198,6 +199,8 @@ class LlmConfig:
             problems.append(f"--default-max-tokens {self.default_max_tokens} must be >= 1")
         if self.vllm_kv_cache_gib < 0:
             problems.append(f"--vllm-kv-cache-gib {self.vllm_kv_cache_gib} must be >= 0")
+        if self.native.quantize == "fp8" and self.model.device == "cpu":  # a GPU's is checked at load
+            problems.append("--quantize fp8 needs a CUDA GPU of compute capability 8.9+ (Ada, Hopper), not the CPU")
         if self.variant_name and not VARIANT_NAME.fullmatch(self.variant_name):
             problems.append(
                 f"--variant {self.variant_name!r}: use lower-case letters, digits, '.', '_' and '-' "

@@ -50,7 +50,7 @@ class RunnerConfig:
     kv: KvConfig
     max_prefill_tokens: int
     enforce_eager: bool = False  # CUDA without torch.compile and graphs (debugging)
-    quantize: str = "none"  # weight-only: none, int8, int4
+    quantize: str = "none"  # none, int8, int4 (weight-only), fp8
     packed: bool | None = None  # prefill as one packed forward; None: where CUDA graphs run
     skinny_gemv: bool = True  # the decode step's linears through services/model/gemv.py
 
@@ -94,7 +94,7 @@ class ModelRunner:
         """Weights (quantized where asked), RoPE tables, EOS ids, and the prefill's compiled layer halves."""
         spec, device, dtype = self.spec, self.device, self.dtype
         self.model = load_decoder(spec, device, dtype)
-        quantize_decoder(self.model.layers, self.cfg.quantize, device, dtype)  # weight-only; "none" leaves it
+        quantize_decoder(self.model.layers, self.cfg.quantize, device, dtype)  # "none" leaves it
         self.rope = rope_tables(spec, device, dtype)
         self.mrope = mrope_columns(spec, device)  # None for plain RoPE
         eos = list(spec.text.eos_token_ids)

@@ -81,7 +81,7 @@ if triton is not None:
     @triton.jit
     def _one_row(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xk, stride_wn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
-        # y[n] = sum_k w[n, k] x[k] (times s[n] if SCALED: an int8 weight's per-channel scale):
+        # y[n] = sum_k w[n, k] x[k] (times s[n] if SCALED: a 1-byte weight's per-channel scale):
         # partial products kept per column, summed once at the end.
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -100,7 +100,7 @@ if triton is not None:
 
 def launch(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: Config, launcher=None, scale=None) -> None:
     """y [1, N] = x [1, K] w[N, K]^T with this config (`launcher` wraps the kernel: torch.compile's);
-    `scale` [N] fp32 multiplies each output (w int8, services/model/int8_mm.py)."""
+    `scale` [N] fp32 multiplies each output (w of 1 byte, int8 or fp8: services/model/int8_mm.py)."""
     n, k = w.shape
     run = launcher or (lambda kernel: kernel)
     grid = (triton.cdiv(n, cfg.block_n),)

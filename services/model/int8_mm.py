@@ -1,12 +1,14 @@
-"""y = (x Q^T) * s: a bf16/fp16 activation times an int8 weight with one scale per output channel,
-in one Triton kernel that reads the int8 weight as stored.
+"""y = (x Q^T) * s: a bf16/fp16 activation times a 1-byte weight (int8, or fp8 e4m3) with one scale
+per output channel, in one Triton kernel that reads the weight as stored.
 
 Weight-only int8 exists to halve the bytes a decode step reads. torchao's int8 weight-only
 linear computes `mm(x, Q.t().to(x.dtype)) * s`: on the GPU that is a kernel writing the whole
 weight back in bf16 and cuBLAS reading it, 5 bytes a weight per step against bf16's 2. Here
 each program converts its tile of Q in registers and feeds the tensor cores, so a step reads
 1 byte a weight (plus the scales). `Q` and `s` are torchao's own (services/model/quantize.py
-unwraps them), so the numbers are its scheme's: symmetric, per output channel.
+unwraps them), so the numbers are its scheme's: symmetric, per output channel. The fp8 variant's
+decode rows run the same kernel over e4m3 weights (services/model/qlinear.py's Fp8Linear): the
+tile converts to x's dtype in registers either way.
 
 The kernel is a torch custom op, opaque to torch.compile: it picks its tile sizes from the row
 count at run time, so a prefill compiled for any token count does not guard on it, and CUDA
@@ -64,8 +66,8 @@ def applies(x: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (bf16/fp16, CUDA), q [N, K] int8, s [N] fp32 -> [M, N] in x's dtype."""
-    return _int8_weight_linear(x, q, s)
+    """x [M, K] (bf16/fp16, CUDA), q [N, K] int8 or float8_e4m3fn, s [N] fp32 -> [M, N] in x's dtype."""
+    return _byte_weight_linear(x, q, s)
 
 
 if triton is not None:
@@ -104,8 +106,8 @@ def launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, y: torch.Tensor, c
 # Registered at import, not on first use: Dynamo does not trace through a cached factory's
 # result but into the factory, and breaks the graph at the registration (four breaks a layer,
 # five graphs to compile per decode bucket).
-@torch.library.custom_op("vlmesh::int8_weight_linear", mutates_args=())
-def _int8_weight_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("vlmesh::byte_weight_linear", mutates_args=())
+def _byte_weight_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """The kernel as a custom op: opaque to torch.compile, so its tile choice by row count is
     made at run time, not guarded on in a compiled graph."""
     x = x.contiguous()
@@ -117,6 +119,6 @@ def _int8_weight_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> to
     return y
 
 
-@_int8_weight_linear.register_fake
+@_byte_weight_linear.register_fake
 def _(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[0])

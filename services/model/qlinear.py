@@ -1,6 +1,7 @@
-"""The decoder's weight-only quantized projections, as modules of plain tensors.
+"""The decoder's quantized projections, as modules of plain tensors: weight-only int8 and int4, and
+fp8 (e4m3 weights; fp8 activations for prompt rows).
 
-torchao quantizes the weights (services/model/quantize.py); these modules then hold its data
+torchao quantizes the int8 and int4 weights (services/model/quantize.py); these modules then hold its data
 as ordinary parameters and call the matmul its tensor subclass would dispatch to. Why not keep
 the subclass: torch.compile traces through a tensor subclass's dispatch on every compile, which
 makes an engine of many captured graphs slow to warm up; plain tensors compile as fast as bf16
@@ -141,3 +142,61 @@ def int4_dequantize(nibbles: torch.Tensor, scale_and_zero: torch.Tensor, group: 
     q = torch.stack((nibbles >> 4, nibbles & 15), dim=-1).view(out, -1, group).float()  # [out, groups, group]
     scale, zero = _scale_zero(scale_and_zero)
     return ((q - 8) * scale + zero).reshape(out, -1).to(torch.bfloat16)
+
+
+# fp8 e4m3 (Hopper's and Ada's fp8 tensor cores): 3 mantissa bits, largest finite value 448.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# Rows up to which an fp8 projection reads its weight through int8_mm's kernel (bf16 activations,
+# the weight converted in registers): decode rows, bound by the weight's bytes. More rows (prompt
+# steps, bound by compute) quantize the activations per row and run an fp8 GEMM at the fp8 tensor
+# cores' rate. The same split as int8's (INT8_KERNEL_ROWS).
+FP8_KERNEL_ROWS = INT8_KERNEL_ROWS
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], scale [M, 1] fp32) with x ~ q * scale: each row's largest magnitude
+    at 448 (symmetric, one scale a row: per output channel for a weight, per token for activations).
+    An all-zero row gets scale 1 (its codes are 0)."""
+    amax = x.abs().amax(dim=1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T (+ b), W stored as e4m3 Q [out, in] and s [out] fp32 (W ~ Q s, per output channel).
+
+    On CUDA (bf16, compute capability 8.9+): up to FP8_KERNEL_ROWS rows int8_mm's kernel reads Q as
+    1 byte a weight (W8A16); more rows quantize x per row to e4m3 and run `torch._scaled_mm` with
+    row-wise scales (W8A8, fp32 accumulation, bf16 out), the quantization fused into the prompt
+    step's compiled graph. Elsewhere (the CPU, where tests run it) the same arithmetic emulated in
+    fp32: the rows' codes and scales are those the GPU path makes, the products summed in fp32.
+    """
+
+    def __init__(self, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.qdata = _frozen(q.contiguous())
+        self.scale = _frozen(s.reshape(-1).float().contiguous())
+        self.bias = None if bias is None else _frozen(bias)
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, linear: nn.Linear) -> Fp8Linear:
+        """The fp8 projection of a full-precision one: per-output-channel scales from its weight."""
+        q, s = fp8_rows(linear.weight)
+        return cls(q, s, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= FP8_KERNEL_ROWS:
+            if int8_mm.applies(x):
+                y = int8_mm.linear(x, self.qdata, self.scale)
+            else:  # W8A16, emulated: the weight dequantized, fp32 products
+                y = (F.linear(x.float(), self.qdata.float()) * self.scale).to(x.dtype)
+        else:
+            xq, xs = fp8_rows(x)
+            if x.is_cuda and x.dtype == torch.bfloat16:
+                y = torch._scaled_mm(xq, self.qdata.t(), scale_a=xs, scale_b=self.scale.view(1, -1), out_dtype=x.dtype)
+            else:  # W8A8, emulated
+                y = ((F.linear(xq.float(), self.qdata.float()) * xs) * self.scale).to(x.dtype)
+        return y if self.bias is None else y + self.bias

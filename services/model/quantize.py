@@ -1,4 +1,4 @@
-"""Weight-only quantization of the decoder, at load time, from the same checkpoint (torchao).
+"""Quantization of the decoder, at load time, from the same checkpoint.
 
 - `int8`: per-output-channel int8 weights with one scale each (torchao's Int8WeightOnlyConfig);
   runs on the CPU and on CUDA.
@@ -6,6 +6,10 @@
   for it; a scale and zero point each) in
   torchao's `tile_packed_to_4d` layout, whose matmul is tinygemm in core torch; CUDA and bf16
   only.
+- `fp8`: e4m3 weights with one scale per output channel (services/model/qlinear.py's Fp8Linear:
+  a row's largest magnitude at 448, three lines of arithmetic, no library needed); decode rows
+  read them as 1 byte, prompt rows run fp8 GEMMs with per-token activation scales. A CUDA GPU of
+  compute capability 8.9 or newer (Ada, Hopper) and bf16.
 
 Only the decoder layers' projections are quantized (q/k/v, o, gate/up, down: all but a few
 percent of the bytes a decode step reads). The embedding table and the LM head stay in the
@@ -25,7 +29,7 @@ import torch
 from torch import nn
 
 from services.common.config import QUANTIZATIONS
-from services.model.qlinear import Int4Linear, Int8Linear
+from services.model.qlinear import Fp8Linear, Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,17 @@ def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: t
                 f"{str(dtype).removeprefix('torch.')}: use --quantize int8 here"
             )
         group = int4_group({m.in_features for m in linears})
+    if how == "fp8":
+        check_fp8(device, dtype, linears)
+        before = weight_bytes(layers)
+        _replace(layers, Fp8Linear.of)
+        log.info(
+            "decoder layers quantized to fp8 (e4m3, per-channel scales): %d linears, %.1f -> %.1f MiB of weights",
+            len(linears),
+            before / 2**20,
+            weight_bytes(layers) / 2**20,
+        )
+        return
     logging.getLogger("torchao").setLevel(logging.ERROR)  # its optional extensions' load warnings
     logging.getLogger("torch.utils._pytree").addFilter(_not_torchao_enum_notice)  # added once, however often called
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
@@ -94,23 +109,53 @@ def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: t
     )
 
 
-def _unwrap(layers: nn.Module) -> None:
-    """Every nn.Linear whose weight torchao quantized -> an Int8Linear or Int4Linear of its data."""
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper: fp8 tensor cores, and Triton's e4m3 conversions
+
+
+def check_fp8(device: torch.device, dtype: torch.dtype, linears: list[nn.Linear]) -> None:
+    """ValueError naming the device, the dtype or the widths where fp8 cannot run."""
+    if device.type != "cuda":
+        raise ValueError(
+            f"--quantize fp8 needs a CUDA GPU of compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or "
+            f"newer (Ada, Hopper: fp8 tensor cores); this llm runs on {device.type}: use --quantize int8 here"
+        )
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_CAPABILITY:
+        raise ValueError(
+            f"--quantize fp8 needs compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer; "
+            f"{torch.cuda.get_device_name(device)} ({device}) has {capability[0]}.{capability[1]}: "
+            "use --quantize int8 or int4"
+        )
+    if dtype != torch.bfloat16:
+        raise ValueError(f"--quantize fp8 computes in bf16, not {str(dtype).removeprefix('torch.')}: use --dtype bf16")
+    odd = sorted({w for m in linears for w in (m.in_features, m.out_features) if w % 16})
+    if odd:
+        raise ValueError(f"--quantize fp8 needs layer widths that are multiples of 16 (fp8 GEMMs), not {odd}")
+
+
+def _replace(layers: nn.Module, make) -> None:
+    """Every nn.Linear under `layers` -> make(it)."""
     for parent in list(layers.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            w, bias = child.weight, child.bias
-            kind = type(w).__name__
-            if kind == "Int8Tensor":
-                if w.block_size[-1] != w.qdata.shape[-1] or bool(w.zero_point.any()):
-                    raise ValueError(f"{name}: expected torchao's symmetric per-channel int8, got {w}")
-                new: nn.Module = Int8Linear(w.qdata, w.scale, bias)
-            elif kind == "Int4TilePackedTo4dTensor":
-                new = Int4Linear(w.qdata, w.scale_and_zero, w.block_size[-1], tuple(w.shape), bias)
-            else:
-                raise ValueError(f"{name}: torchao left a weight of {kind}, which vlmesh has no kernel for")
-            setattr(parent, name, new)
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, make(child))
+
+
+def _unwrap(layers: nn.Module) -> None:
+    """Every nn.Linear whose weight torchao quantized -> an Int8Linear or Int4Linear of its data."""
+
+    def unwrapped(child: nn.Linear) -> nn.Module:
+        w, bias = child.weight, child.bias
+        kind = type(w).__name__
+        if kind == "Int8Tensor":
+            if w.block_size[-1] != w.qdata.shape[-1] or bool(w.zero_point.any()):
+                raise ValueError(f"expected torchao's symmetric per-channel int8, got {w}")
+            return Int8Linear(w.qdata, w.scale, bias)
+        if kind == "Int4TilePackedTo4dTensor":
+            return Int4Linear(w.qdata, w.scale_and_zero, w.block_size[-1], tuple(w.shape), bias)
+        raise ValueError(f"torchao left a weight of {kind}, which vlmesh has no kernel for")
+
+    _replace(layers, unwrapped)
 
 
 def weight_bytes(module: nn.Module) -> int:

@@ -29,7 +29,8 @@ from tests.helpers import ROOT
 
 DEPLOY = ROOT / "deploy"
 VARIANTS = parse_variants((DEPLOY / "variants.txt").read_text().strip())
-BUILDS = ["deploy", *(f"deploy/overlays/{v.name}" for v in VARIANTS), "deploy/mesh", "deploy/flagger"]
+OVERLAYS = sorted(p.name for p in (DEPLOY / "overlays").iterdir())  # variants.txt's and any other ready one
+BUILDS = ["deploy", *(f"deploy/overlays/{name}" for name in OVERLAYS), "deploy/mesh", "deploy/flagger"]
 
 
 def tool(name: str) -> str:

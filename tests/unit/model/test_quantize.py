@@ -1,4 +1,5 @@
-"""Weight-only quantization (torchao): int8 on the CPU, clear errors where a kind cannot run."""
+"""Weight-only quantization (torchao): int8 on the CPU, clear errors where a kind cannot run (fp8:
+tests/unit/model/test_fp8.py)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def test_none_changes_nothing_and_bad_kinds_say_what_to_do():
     assert layer.weight is weight
     with pytest.raises(ValueError, match=r"int4 needs a CUDA GPU and bf16.*use --quantize int8"):
         quantize_decoder(layer, "int4", CPU, torch.float32)
-    with pytest.raises(ValueError, match="use one of none, int8, int4"):
-        quantize_decoder(layer, "fp8", CPU, torch.float32)
+    with pytest.raises(ValueError, match="use one of none, int8, int4, fp8"):
+        quantize_decoder(layer, "fp16", CPU, torch.float32)
 
 
 def test_int4_takes_the_largest_group_that_divides_every_width():
@@ -79,7 +80,7 @@ def test_the_int8_kernel_op_compiles_into_one_graph():
     x, q, s = torch.randn(4, 8), torch.randint(-8, 8, (6, 8), dtype=torch.int8), torch.rand(6)
     gm, _ = torch._dynamo.export(f)(x, q, s)  # raises on a graph break
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert torch.ops.vlmesh.int8_weight_linear.default in ops
+    assert torch.ops.vlmesh.byte_weight_linear.default in ops
 
 
 def test_quantizing_leaves_inductor_settings_alone(monkeypatch):
