@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         choices=("bfloat16", "float16", "float32"),
         help="weights and activations (default %(default)s)",
     )
-    p.add_argument("--quantize", default="none", choices=QUANTIZATIONS, help="quantization of the decoder (default none)")
+    p.add_argument("--quantize", default="none", choices=QUANTIZATIONS, help="decoder quantization (default none)")
     p.add_argument("--batches", default="1,2,4,8,16,32", help="decode batch sizes (default %(default)s)")
     p.add_argument("--context", type=int, default=640, help="positions each sequence holds (default %(default)s)")
     p.add_argument("--steps", type=int, default=50, help="timed steps per batch size (default %(default)s)")

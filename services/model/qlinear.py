@@ -14,6 +14,7 @@ one through its own kernel.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -32,6 +33,20 @@ def project(x: torch.Tensor, layer: nn.Module, linear: Callable = F.linear) -> t
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
+
+
+def _rows(forward: Callable) -> Callable:
+    """A projection's forward on x [..., in] as rows [N, in] (the engine's own x is 2-D already;
+    transformers' [batch, positions, in] too, where bench.quant_agreement puts these layers)."""
+
+    @functools.wraps(forward)
+    def on_rows(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return forward(self, x)
+        y = forward(self, x.reshape(-1, x.shape[-1]))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    return on_rows
 
 
 # Rows up to which an int8 projection on CUDA runs services/model/int8_mm.py's kernel. Decode-sized
@@ -58,6 +73,7 @@ class Int8Linear(nn.Module):
         self.scale = _frozen(s.reshape(-1).float().contiguous())
         self.bias = None if bias is None else _frozen(bias)
 
+    @_rows
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if int8_mm.applies(x) and x.shape[0] <= INT8_KERNEL_ROWS:
             y = int8_mm.linear(x, self.qdata, self.scale)
@@ -100,6 +116,7 @@ class Int4Linear(nn.Module):
         sz = self.scale_and_zero[:, : self.out_features]
         self.register_buffer("nibbles", int4_codes(dense[:, : self.out_features].t(), sz, group), persistent=False)
 
+    @_rows
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = x.to(torch.bfloat16)
         if self.in_padded != self.in_features:
@@ -187,6 +204,7 @@ class Fp8Linear(nn.Module):
         q, s = fp8_rows(linear.weight)
         return cls(q, s, linear.bias)
 
+    @_rows
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= FP8_KERNEL_ROWS:
             if int8_mm.applies(x):

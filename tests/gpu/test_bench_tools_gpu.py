@@ -63,6 +63,17 @@ def test_int8_mm_sweeps_a_decode_row_and_a_batch(tmp_path):
     assert sorted({r["m"] for r in json.loads(out.read_text())}) == [1, 8]
 
 
+@pytest.mark.timeout(900)
+def test_quant_agreement_puts_fp8_beside_bf16(tmp_path):
+    out = tmp_path / "agreement.json"
+    tool("bench.quant_agreement", "--model", DEMO, "--kinds", "int8,fp8", "--sequences", "4", "--tokens", "64",
+         "--out", str(out))  # fmt: skip
+    rows = json.loads(out.read_text())["kinds"]
+    assert list(rows) == ["bf16", "int8", "fp8"]
+    assert rows["fp8"]["vs_fp32"]["agreement"] >= rows["bf16"]["vs_fp32"]["agreement"] - 0.05
+    assert rows["fp8"]["vs_bf16"]["cosine_mean"] > 0.99
+
+
 def test_handoff_times_each_transport(tmp_path):
     out = tmp_path / "handoff.json"
     tool("bench.handoff", "--iters", "5", "--warmup", "2", "--out", str(out))

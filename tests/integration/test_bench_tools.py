@@ -52,6 +52,23 @@ def test_decode_step_runs_the_engines_own_steps_on_the_cpu(tmp_path):
     assert "| 2 | 2 | 0.00 |" in result.stdout  # batch 2's row of the decode table
 
 
+def test_quant_agreement_compares_each_kind_with_fp32_and_bf16(tmp_path):
+    out = tmp_path / "agreement.json"
+    result = tool(
+        *("bench.quant_agreement", "--model", DEMO, "--device", "cpu", "--kinds", "int8"),
+        *("--sequences", "2", "--tokens", "24", "--out", str(out)),
+    )
+    rows = strict(out.read_text())["kinds"]
+    assert list(rows) == ["bf16", "int8"] and "vs_bf16" in rows["int8"] and "vs_bf16" not in rows["bf16"]
+    assert all(0.9 <= r["vs_fp32"]["agreement"] <= 1 and r["vs_fp32"]["cosine_min"] > 0.99 for r in rows.values())
+    assert re.search(r"^int8 +\d+\.\d\d%", result.stdout, re.M)
+    refused = subprocess.run(
+        [sys.executable, "-m", "bench.quant_agreement", "--model", DEMO, "--device", "cpu", "--kinds", "fp8"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "fp8 needs a CUDA GPU" in refused.stderr
+
+
 def test_engine_host_times_the_engine_thread_with_the_model_taken_out():
     result = tool("bench.engine_host", "--model", DEMO, "--batch", "4", "--tokens", "8")
     assert re.fullmatch(r"engine host time per step at batch 4: \d+\.\d{3} ms \(median of \d+\)\n", result.stdout)
