@@ -171,16 +171,32 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
     if not config.is_file():
         raise InvalidArgument(f"{path}: no config.json; --model must be a local checkpoint directory")
     try:
-        model_type = json.loads(config.read_text()).get("model_type")
+        raw = json.loads(config.read_text())
+        model_type = raw.get("model_type")
     except (ValueError, AttributeError):
         raise InvalidArgument(f"{config}: not a JSON object") from None
     family = family_for(model_type, config)
+    check_not_prequantized(raw, config)
     try:
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, TypeError, KeyError) as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise InvalidArgument(f"{config}: transformers cannot read it: {reason}") from None
     return family.read_spec(path, cfg, model_id(model_dir, path))
+
+
+def check_not_prequantized(raw: dict, config: Path) -> None:
+    """INVALID_ARGUMENT for a checkpoint whose weights are stored quantized (`quantization_config`,
+    as compressed-tensors, AutoAWQ, GPTQ or an fp8 export writes it): its loader would read codes
+    without their scales. vlmesh quantizes a full-precision checkpoint as it loads (--quantize)."""
+    for where, block in (("", raw), ("text_config.", raw.get("text_config") or {})):
+        found = block.get("quantization_config") if isinstance(block, dict) else None
+        if found:
+            how = found.get("quant_method", "?") if isinstance(found, dict) else "?"
+            raise InvalidArgument(
+                f"{config}: {where}quantization_config: its weights are stored quantized ({how}), which vlmesh "
+                "does not load; point --model at the full-precision checkpoint and pass --quantize int8, int4 or fp8"
+            )
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
