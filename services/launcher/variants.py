@@ -1,7 +1,9 @@
-"""`vlmesh up --variants full=70,int8=30`: one worker per variant behind a real Envoy.
+"""`vlmesh up --variants full=70,int8=30`: one worker per variant behind a real Envoy; and
+`--placement replicate --gpus 0,1`: a worker per GPU of one variant, behind the same Envoy.
 
 Each variant is a whole worker (vision, llm and its gateway) on free ports, its llm loading the
-same checkpoint with that variant's `--quantize` and naming itself with `--variant`. Envoy
+same checkpoint with that variant's `--quantize` and naming itself with `--variant`; replicated,
+one such worker per device, Envoy balancing them by least outstanding requests. Envoy
 listens on the public `--gateway-port` and routes as services/launcher/routing.py says: by
 weight, a pinned `x-model-variant` to its variant only, failing over when a gateway is down.
 That is what Istio programs in a cluster (deploy/README.md); this is the same data plane on one
@@ -21,11 +23,12 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from services.launcher.envoy import HttpDoor, envoy_config
 from services.launcher.options import MeshOptions
+from services.launcher.placement import on_devices
 from services.launcher.ports import MeshError, RunDir, free_port
 from services.launcher.process import signals_held, spawn
 from services.launcher.restarts import TICK_S, Watch
@@ -45,8 +48,9 @@ def envoy_binary() -> str:
     return found
 
 
-def variant_options(opts: MeshOptions, variant: Variant) -> MeshOptions:
-    """The worker of one variant: every port free, its llm quantized and named for the variant."""
+def variant_options(opts: MeshOptions, variant: Variant, device: str | None = None) -> MeshOptions:
+    """The worker of one variant: every port free, its llm quantized and named for the variant;
+    with `device`, its vision and llm on it (a replica's GPU)."""
 
     def free(server):
         metrics = server.metrics_port if server.metrics_port < 0 else 0
@@ -62,18 +66,23 @@ def variant_options(opts: MeshOptions, variant: Variant) -> MeshOptions:
         variant_name=variant.name,
         native=dataclasses.replace(opts.llm.native, quantize=variant.quantize),
     )
-    return dataclasses.replace(
+    worker = dataclasses.replace(
         opts,
         gateway=gateway,
         vision=dataclasses.replace(opts.vision, server=free(opts.vision.server)),
         llm=llm,
     )
+    return on_devices(worker, device, device) if device else worker
 
 
 class VariantMesh:
     """The variants' workers and the Envoy in front of them."""
 
-    def __init__(self, opts: MeshOptions, variants: list[Variant], admin_port: int) -> None:
+    def __init__(
+        self, opts: MeshOptions, variants: list[Variant], admin_port: int, devices: Sequence[str] = ()
+    ) -> None:
+        """`devices`: a worker of each variant on each (`--placement replicate`), named NAME-I;
+        else one worker per variant, named NAME, on the options' own device."""
         self._run = RunDir()
         if opts.tls_throwaway_ca:  # one CA for every worker and Envoy: they call each other
             from services.launcher.certs import make_throwaway, with_tls
@@ -81,7 +90,14 @@ class VariantMesh:
             hosts = [cfg.server.host for cfg in opts.configs().values()]
             opts = dataclasses.replace(with_tls(opts, *make_throwaway(self._run.path, hosts)), tls_throwaway_ca=False)
         self.opts, self.variants = opts, variants
-        self.meshes = {v.name: Mesh(variant_options(opts, v)) for v in variants}
+        # Each variant's workers, by name; `meshes` holds them all.
+        self.workers: dict[str, list[str]] = {}
+        self.meshes: dict[str, Mesh] = {}
+        for v in variants:
+            names = [f"{v.name}-{i}" for i in range(len(devices))] if devices else [v.name]
+            self.workers[v.name] = names
+            for name, device in zip(names, devices or [None], strict=True):
+                self.meshes[name] = Mesh(variant_options(opts, v, device))
         server = opts.gateway.server
         self.tls = Tls(server.tls_cert, server.tls_key, server.tls_ca) if server.tls_cert else None
         # Port 0: a free one now (Envoy does not report the ports it binds).
@@ -102,7 +118,7 @@ class VariantMesh:
         return f"{'https' if self.tls else 'http'}://{self.http_listen[0]}:{self.http_listen[1]}/v1"
 
     def gateway(self, name: str) -> str:
-        """Variant `name`'s own gateway, HOST:PORT."""
+        """Worker `name`'s own gateway, HOST:PORT (a variant's name, or NAME-I for its replica I)."""
         return self.meshes[name].target("gateway")
 
     def start(self, progress: Callable[[str], None] = print, envoy: bool = True) -> None:
@@ -110,22 +126,28 @@ class VariantMesh:
         each variant at its own gateway, `gateway(name)`)."""
         cheapest = min(self.variants, key=lambda v: COST[v.quantize])
         for v in sorted(self.variants, key=lambda v: COST[v.quantize]):  # one after another: each loads the checkpoint
-            mesh = self.meshes[v.name]
-            if COST[v.quantize] > COST[cheapest.quantize]:  # degrade to the cheapest (already serving)
-                target = self.meshes[cheapest.name].target("gateway")
-                gateway = dataclasses.replace(mesh.opts.gateway, degrade_target=target, degrade_variant=cheapest.name)
-                mesh.opts = dataclasses.replace(mesh.opts, gateway=gateway)
-            mesh.start(progress=lambda msg, name=v.name: progress(f"{name}: {msg}"))
-            http = f", OpenAI-compatible HTTP on {mesh.http_url()}" if mesh.http_port else ""
-            progress(f"{v.name}: its own gateway serves on {mesh.target('gateway')}{http}")
+            for name in self.workers[v.name]:
+                mesh = self.meshes[name]
+                if COST[v.quantize] > COST[cheapest.quantize]:  # degrade to the cheapest (already serving)
+                    target = self.meshes[self.workers[cheapest.name][0]].target("gateway")
+                    gateway = dataclasses.replace(
+                        mesh.opts.gateway, degrade_target=target, degrade_variant=cheapest.name
+                    )
+                    mesh.opts = dataclasses.replace(mesh.opts, gateway=gateway)
+                mesh.start(progress=lambda msg, name=name: progress(f"{name}: {msg}"))
+                http = f", OpenAI-compatible HTTP on {mesh.http_url()}" if mesh.http_port else ""
+                progress(f"{name}: its own gateway serves on {mesh.target('gateway')}{http}")
         if not envoy:
             return
-        gateways, doors = {}, {}
-        for name, mesh in self.meshes.items():
-            host, port = self.gateway(name).rsplit(":", 1)
-            gateways[name] = (host, int(port))
-            if mesh.http_port:
-                doors[name] = (host, mesh.http_port)
+        gateways: dict[str, list[tuple[str, int]]] = {}
+        doors: dict[str, list[tuple[str, int]]] = {}
+        for variant, names in self.workers.items():
+            for name in names:
+                mesh = self.meshes[name]
+                host, port = self.gateway(name).rsplit(":", 1)
+                gateways.setdefault(variant, []).append((host, int(port)))
+                if mesh.http_port:
+                    doors.setdefault(variant, []).append((host, mesh.http_port))
         config = self._run.path / "envoy.json"
         http = HttpDoor(self.http_listen, doors) if self.http_listen else None
         bootstrap = envoy_config(self.variants, gateways, self.listen, self.admin, self.tls, http)

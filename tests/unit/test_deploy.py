@@ -191,7 +191,7 @@ def test_weights_subsets_and_labels_agree_everywhere(everything):
     weights = {d["destination"]["subset"]: d["weight"] for d in routes[-1]["route"]}
     assert weights == percents(VARIANTS) and sum(weights.values()) == 100
     # The local Envoy, from the same description: the same split, the same pins.
-    gateways = {n: ("127.0.0.1", 50000 + i) for i, n in enumerate(names)}
+    gateways = {n: [("127.0.0.1", 50000 + i)] for i, n in enumerate(names)}
     envoy = envoy_config(VARIANTS, gateways, ("127.0.0.1", 1), ("127.0.0.1", 2))
     layer = envoy["layered_runtime"]["layers"][0]["static_layer"]
     total = sum(v.weight for v in VARIANTS)

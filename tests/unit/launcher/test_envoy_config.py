@@ -16,7 +16,7 @@ from services.launcher.routing import Tls, parse_variants
 from services.launcher.variants import check_weights, envoy_binary, route_main, runtime_weights
 
 VARIANTS = parse_variants("full=70,int8=30")
-GATEWAYS = {"full": ("127.0.0.1", 1), "int8": ("127.0.0.1", 2)}
+GATEWAYS = {"full": [("127.0.0.1", 1)], "int8": [("127.0.0.1", 2)]}
 
 
 def validate(config: dict, tmp_path) -> None:
@@ -26,7 +26,7 @@ def validate(config: dict, tmp_path) -> None:
     assert run.returncode == 0, run.stderr[-2000:]
 
 
-DOOR = HttpDoor(("127.0.0.1", 5), {"full": ("127.0.0.1", 6), "int8": ("127.0.0.1", 7)})
+DOOR = HttpDoor(("127.0.0.1", 5), {"full": [("127.0.0.1", 6)], "int8": [("127.0.0.1", 7)]})
 
 
 @pytest.mark.parametrize("http", [False, True], ids=["grpc", "grpc+http"])
