@@ -13,7 +13,12 @@ producer's GPU, wanted on the consumer's GPU. Two figures per transport:
 The gRPC call that carries the reference is not included (it is the same for every
 transport, except that inline also pushes the 4.7 MB through it).
 
-    python -m bench.handoff [--iters 300] [--out results.json]
+With `--peer-gpu N` (a host with two GPUs) the producer stays on GPU 0 and the consumer of the
+peer form of CUDA IPC and of shared memory moves to GPU N, so that one run compares the
+cross-device hand-off with shared memory and with CUDA IPC on one GPU; every case checks the
+features arrived bit-exact.
+
+    python -m bench.handoff [--iters 300] [--peer-gpu 1] [--out results.json]
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pathlib import Path
 import torch
 
 from services.handoff.consumer import Consumer
-from services.handoff.peer import call, connect, write
+from services.handoff.peer import call, connect, sha256, write
 from vlmesh.v1 import common_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +47,7 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def run_case(transport: int, ready: str, iters: int, warmup: int) -> dict:
+def run_case(transport: int, ready: str, iters: int, warmup: int, device: torch.device) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         address = Path(tmp) / "peer.addr"
         proc = subprocess.Popen(
@@ -62,24 +67,26 @@ def run_case(transport: int, ready: str, iters: int, warmup: int) -> dict:
         )
         try:
             conn = connect(address)
-            importer = Consumer(torch.device("cuda"))
-            landing = torch.empty(SHAPE, dtype=torch.bfloat16, device="cuda")
+            importer = Consumer(device)
+            landing = torch.empty(SHAPE, dtype=torch.bfloat16, device=device)
             producer, consumer, read, first = [], [], [], None
             for i in range(warmup + iters):
-                ref, _, produced = write(conn, i, SHAPE, "bfloat16", transport)
-                torch.cuda.synchronize()
+                ref, digest, produced = write(conn, i, SHAPE, "bfloat16", transport)
+                torch.cuda.synchronize(device)
                 start = time.perf_counter()
                 if transport == pb.TRANSPORT_INLINE:
                     ref = pb.TensorRef.FromString(ref.SerializeToString())
                 opened = importer.open([ref])
                 out = opened.tensors.pop()
-                if out.device.type != "cuda":
-                    out = out.to("cuda")
-                    torch.cuda.synchronize()
+                if out.device != device:
+                    out = out.to(device)
+                    torch.cuda.synchronize(device)
                 took = time.perf_counter() - start
                 landing.copy_(out)
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(device)
                 landed = time.perf_counter() - start
+                if i == 0 and sha256(landing) != digest:
+                    raise AssertionError(f"{pb.Transport.Name(transport)}: the features changed on the way")
                 if ref.lease.id:
                     opened.verify()
                     call(conn, "release", ref.lease.id)
@@ -101,6 +108,7 @@ def run_case(transport: int, ready: str, iters: int, warmup: int) -> dict:
         "read_us_p99": pct(read, 0.99),
         "transport": pb.Transport.Name(transport).removeprefix("TRANSPORT_"),
         "ready": ready,
+        "consumer_device": str(device),
         "producer_us_p50": statistics.median(producer),
         "producer_us_p99": pct(producer, 0.99),
         "consumer_us_p50": statistics.median(consumer),
@@ -118,17 +126,33 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--label", default="", help="a note for the table, e.g. 'MPS on'")
+    p.add_argument(
+        "--peer-gpu",
+        type=int,
+        default=None,
+        help="also hand off to this GPU from GPU 0: the peer form of CUDA IPC, and shared memory, there",
+    )
     args = p.parse_args()
+    here = torch.device("cuda", 0)
+    other = torch.device("cuda", args.peer_gpu) if args.peer_gpu is not None else None
+    if other is not None and not 0 < other.index < torch.cuda.device_count():
+        p.error(f"--peer-gpu {args.peer_gpu}: this host has {torch.cuda.device_count()} GPUs (the producer is on 0)")
     cases = [
-        (pb.TRANSPORT_CUDA_IPC, "sync"),
-        (pb.TRANSPORT_CUDA_IPC, "event"),
-        (pb.TRANSPORT_SHM, "sync"),
-        (pb.TRANSPORT_INLINE, "sync"),
+        (pb.TRANSPORT_CUDA_IPC, "sync", here),
+        (pb.TRANSPORT_CUDA_IPC, "event", here),
+        (pb.TRANSPORT_SHM, "sync", here),
+        (pb.TRANSPORT_INLINE, "sync", here),
     ]
+    if other is not None:
+        cases[3:3] = [
+            (pb.TRANSPORT_CUDA_IPC_PEER, "sync", other),
+            (pb.TRANSPORT_CUDA_IPC_PEER, "event", other),
+            (pb.TRANSPORT_SHM, "sync", other),
+        ]
     rows = []
-    for transport, ready in cases:
-        print(f"running {pb.Transport.Name(transport)} ready={ready} ...", file=sys.stderr, flush=True)
-        rows.append(run_case(transport, ready, args.iters, args.warmup))
+    for transport, ready, device in cases:
+        print(f"running {pb.Transport.Name(transport)} ready={ready} on {device} ...", file=sys.stderr, flush=True)
+        rows.append(run_case(transport, ready, args.iters, args.warmup, device))
     env = {
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
@@ -143,11 +167,12 @@ def main() -> int:
         f"microseconds p50 / p99 {args.label}"
     )
     print(
-        f"{'transport':<10}{'ready':<7}{'producer':>19}{'consumer':>19}{'host path':>19}{'until read':>19}{'first':>12}"
+        f"{'transport':<15}{'ready':<7}{'to':<8}{'producer':>19}{'consumer':>19}{'host path':>19}{'until read':>19}"
+        f"{'first':>12}"
     )
     for r in rows:
         print(
-            f"{r['transport']:<10}{r['ready']:<7}"
+            f"{r['transport']:<15}{r['ready']:<7}{r['consumer_device']:<8}"
             + "".join(
                 f"{r[f'{k}_us_p50']:>10.1f} /{r[f'{k}_us_p99']:>7.1f}"
                 for k in ("producer", "consumer", "total", "read")

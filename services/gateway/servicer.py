@@ -208,7 +208,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             except NotCached:
                 self.image_keys.forget(worker.name, digests)
             del call.cached_image_keys[:]
-        consumer = pb.ConsumerInfo(host_id=info.host_id, gpu_uuid=info.gpu_uuid, accept=info.transports)
+        consumer = pb.ConsumerInfo(
+            host_id=info.host_id, gpu_uuid=info.gpu_uuid, accept=info.transports, peer_gpu_uuids=info.peer_gpu_uuids
+        )
         with telemetry.span("gateway.vision"):
             try:
                 encoded = await worker.vision.Encode(

@@ -20,7 +20,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.hostinfo import host_id
 from services.common.metrics import HANDOFF_BYTES, HANDOFFS
 from services.handoff.arena import ArenaViews
-from services.handoff.cuda import CudaIpcTransport
+from services.handoff.cuda import CudaIpcPeerTransport, CudaIpcTransport
 from services.handoff.inline import InlineTransport
 from services.handoff.release import release_leases
 from services.handoff.shm import ShmTransport
@@ -126,8 +126,10 @@ class Consumer:
         self._views = ArenaViews()  # one attachment per arena, shared by the arena transports
         cuda = CudaIpcTransport.consumer(self._views, self.device)  # CUDA initialised only on a GPU
         self.gpu_uuid = cuda.gpu_uuid  # "" on a CPU
-        # Best first. On a CPU the CUDA transport is kept, not accepted: it refuses CUDA_IPC references.
-        self._transports: list[Transport] = [cuda, ShmTransport.consumer(self._views), InlineTransport()]
+        peer = CudaIpcPeerTransport.beside(cuda)
+        self.peer_gpu_uuids = list(peer.peers)  # the GPUs it reads over the peer link
+        # Best first. On a CPU the CUDA transports are kept, not accepted: they refuse CUDA references.
+        self._transports: list[Transport] = [cuda, peer, ShmTransport.consumer(self._views), InlineTransport()]
         self._by_kind = {t.kind: t for t in self._transports}
         self._counters: dict[int, tuple] = {}  # per transport: (hand-offs, bytes) metric children
         self._background: set[asyncio.Task] = set()

@@ -18,6 +18,12 @@ no copy and no host synchronisation. The consumer must hold the lease until its 
 have read the view (the llm engine: until the prefill that copies the features into the
 prompt's embeddings has run, then it re-checks the lease and releases it).
 
+On another GPU of the same host (`CUDA_IPC_PEER`, `vlmesh up --placement split`), the consumer
+opens the same allocation on the producer's GPU (peer access: NVLink or PCIe) and copies the run
+into its own GPU on its stream, still with no host synchronisation; kernels cannot read another
+GPU's memory in place through PyTorch, and the copy (4.7 MB in about 21 us over NVLink,
+2026-11-30) is small beside the prefill that reads it.
+
 Both sides work on the device's current stream, cached once: a hand-off is a handful of
 Python calls, and `torch.cuda.current_stream(device)` alone is a sizeable share of that.
 
@@ -126,19 +132,29 @@ class CudaImports:
         self.device = device
         self.stream = torch.cuda.current_stream(device)
         self._buffers: dict[str, torch.Tensor] = {}
+        self._index_of: dict[str, int] | None = None  # GPU UUID -> this process's CUDA index
         self._events: dict[tuple[str, int], torch.cuda.Event] = {}
         # (arena, offset, nbytes, dtype, shape) -> typed view, least recently used first: pictures of
         # any size make offsets x shapes without end, so the most recent VIEW_CACHE stay.
         self._views: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
-    def _buffer(self, name: str, ipc: pb.CudaIpcHandle) -> torch.Tensor:
+    def device_of(self, uuid: str) -> torch.device:
+        """The GPU with this UUID as this process numbers it; FAILED_PRECONDITION when it sees none."""
+        if self._index_of is None:
+            self._index_of = {gpu_uuid(torch.device("cuda", i)): i for i in range(torch.cuda.device_count())}
+        index = self._index_of.get(uuid)
+        if index is None:
+            raise FailedPrecondition(f"tensor reference on GPU {uuid!r}, which this process does not see")
+        return torch.device("cuda", index)
+
+    def _buffer(self, name: str, ipc: pb.CudaIpcHandle, home: torch.device) -> torch.Tensor:
         buf = self._buffers.get(name)
         if buf is None:
             if not ipc.mem_handle:
                 raise FailedPrecondition("CUDA_IPC tensor reference carries no memory handle")
             try:
                 storage = torch.UntypedStorage._new_shared_cuda(
-                    self.device.index or 0,
+                    home.index or 0,
                     ipc.mem_handle,
                     ipc.storage_bytes,
                     ipc.storage_offset,
@@ -149,12 +165,16 @@ class CudaImports:
                 )
             except RuntimeError as err:
                 raise FailedPrecondition(f"cannot open the CUDA IPC handle of arena {name!r}: {err}") from err
-            buf = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+            buf = torch.empty(0, dtype=torch.uint8, device=home).set_(storage)
             self._buffers[name] = buf
         return buf
 
-    def open(self, view: ArenaView, ref: pb.TensorRef, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """A view of a GPU run, readable by kernels launched after this on the consumer's stream.
+    def open(
+        self, view: ArenaView, ref: pb.TensorRef, dtype: torch.dtype, shape: tuple[int, ...], home: torch.device
+    ) -> torch.Tensor:
+        """A view of a GPU run on `home` (the producer's GPU), readable by work enqueued after this
+        on the consumer's stream (a copy to another GPU included: PyTorch orders it after the
+        destination's stream).
 
         No copy, no host sync: valid while the caller holds the lease (see the module's doc).
         """
@@ -165,7 +185,7 @@ class CudaImports:
         key = (view.name, ref.offset, ref.nbytes, dtype, shape)
         out = self._views.get(key)
         if out is None:
-            buf = self._buffer(view.name, ref.cuda_ipc)
+            buf = self._buffer(view.name, ref.cuda_ipc, home)
             if ref.offset + ref.nbytes > buf.numel():
                 raise FailedPrecondition(f"tensor reference out of bounds of arena {view.name!r}")
             out = self._views[key] = buf[ref.offset : ref.offset + ref.nbytes].view(dtype).view(shape)
@@ -176,7 +196,7 @@ class CudaImports:
         if ref.ready == pb.READY_SIGNAL_CUDA_EVENT:
             event = self._events.get((view.name, pages[0]))
             if event is None:
-                event = torch.cuda.Event.from_ipc_handle(self.device, ref.ready_event)
+                event = torch.cuda.Event.from_ipc_handle(home, ref.ready_event)
                 self._events[(view.name, pages[0])] = event
             self.stream.wait_event(event)
         return out
@@ -267,8 +287,8 @@ class CudaIpcTransport(ArenaTransport):
 
     def _read(self, view: ArenaView, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
         if self.imports is None:
-            raise FailedPrecondition("this process has no GPU: it cannot open CUDA_IPC references")
-        return self.imports.open(view, ref, layout.dtype, tuple(layout.shape))
+            raise FailedPrecondition(f"this process has no GPU: it cannot open {self.name} references")
+        return self.imports.open(view, ref, layout.dtype, tuple(layout.shape), self.imports.device)
 
     def _forget(self, name: str) -> None:
         super()._forget(name)
@@ -279,3 +299,56 @@ class CudaIpcTransport(ArenaTransport):
         super().close()
         if self.imports is not None:
             self.imports.close()
+
+
+def peer_gpu_uuids(device: torch.device) -> list[str]:
+    """The other GPUs of this process whose memory `device` reads directly (peer access)."""
+    if device.type != "cuda":
+        return []
+    here = device.index if device.index is not None else torch.cuda.current_device()
+    return [
+        gpu_uuid(torch.device("cuda", i))
+        for i in range(torch.cuda.device_count())
+        if i != here and torch.cuda.can_device_access_peer(here, i)
+    ]
+
+
+class CudaIpcPeerTransport(CudaIpcTransport):
+    """TRANSPORT_CUDA_IPC_PEER: a GPU arena read from another GPU of the same host, copied over the
+    peer link into the consumer's GPU (see the module's doc).
+
+    The producer's end exports into its CUDA_IPC transport's own arena (one arena, two ways to
+    read it). The consumer holds the lease until its reader has read the copy (`in_place`, as for
+    CUDA_IPC): the copy runs on the GPU after `open` returns.
+    """
+
+    kind = pb.TRANSPORT_CUDA_IPC_PEER
+    label = "cuda-peer"
+    in_place = True
+    peers: tuple[str, ...] = ()  # consumer side: the GPUs it reads over the peer link
+
+    @classmethod
+    def sharing(cls, same_gpu: CudaIpcTransport) -> CudaIpcPeerTransport:
+        """The producer's end: exports into `same_gpu`'s arena."""
+        return cls(arena=same_gpu.arena, origin=same_gpu.origin, gpu_uuid=same_gpu.gpu_uuid)
+
+    @classmethod
+    def beside(cls, same_gpu: CudaIpcTransport) -> CudaIpcPeerTransport:
+        """The consumer's end, sharing `same_gpu`'s views and opened allocations."""
+        peer = cls(views=same_gpu.views, imports=same_gpu.imports, gpu_uuid=same_gpu.gpu_uuid)
+        peer.peers = tuple(peer_gpu_uuids(same_gpu.imports.device)) if same_gpu.imports is not None else ()
+        return peer
+
+    @property
+    def accepted(self) -> bool:
+        return self.imports is not None and bool(self.peers)
+
+    def _read(self, view: ArenaView, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
+        if self.imports is None:
+            raise FailedPrecondition(f"this process has no GPU: it cannot open {self.name} references")
+        home = self.imports.device_of(ref.gpu_uuid)
+        src = self.imports.open(view, ref, layout.dtype, tuple(layout.shape), home)
+        return src.to(self.imports.device, non_blocking=True)
+
+    def close(self) -> None:
+        """The arena and the opened allocations belong to the CUDA_IPC transport it shares them with."""

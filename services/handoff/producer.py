@@ -1,7 +1,8 @@
 """The producer role (the vision process): where encoded features go.
 
-A producer on a GPU owns a CUDA arena (for a consumer on the same GPU) and a host arena
-(for one elsewhere on the host); on a CPU, only the host arena. Inline bytes are always
+A producer on a GPU owns a CUDA arena (for a consumer on the same GPU, or over the peer link on
+another GPU of the host) and a host arena (for one elsewhere on the host); on a CPU, only the
+host arena. Inline bytes are always
 possible. It negotiates a transport per consumer, exports through it, and takes leases
 back early (`release`) or when they expire (`reap`).
 
@@ -42,17 +43,23 @@ class Producer:
         self.host = host_id()
         self.gpu_uuid = ""
         arenas: list[ArenaTransport] = []
+        readers: list[ArenaTransport] = []  # the arena transports it offers: the peer form shares the CUDA arena
         if device.type == "cuda":
-            from services.handoff.cuda import CudaIpcTransport  # CUDA is initialised only on a GPU
+            # CUDA is initialised only on a GPU
+            from services.handoff.cuda import CudaIpcPeerTransport, CudaIpcTransport
 
             cuda = CudaIpcTransport.producer(self.host, page_bytes, n_pages + keep, ttl_s, device, ready, keep)
             self.gpu_uuid = cuda.gpu_uuid
             arenas.append(cuda)
+            readers += [cuda, CudaIpcPeerTransport.sharing(cuda)]
         origin = Origin(self.host, self.gpu_uuid)
-        arenas.append(ShmTransport.producer(origin, page_bytes, n_pages + keep, ttl_s, keep))
+        shm = ShmTransport.producer(origin, page_bytes, n_pages + keep, ttl_s, keep)
+        arenas.append(shm)
+        readers.append(shm)
         # Best first; INLINE last, always possible and never offered (negotiation adds it).
-        self._arenas: list[ArenaTransport] = arenas
-        self._transports: list[Transport] = [*arenas, InlineTransport(origin)]
+        self._arenas: list[ArenaTransport] = arenas  # each arena once
+        self._readers = readers
+        self._transports: list[Transport] = [*readers, InlineTransport(origin)]
         self._by_kind = {t.kind: t for t in self._transports}
         for t in self._arenas:
             ARENA_PAGES.labels(t.label, "leased").set_function(lambda t=t: t.leased)
@@ -67,7 +74,7 @@ class Producer:
     @property
     def offered(self) -> tuple[int, ...]:
         """The arena transports this producer offers, best first (INLINE goes without saying)."""
-        return tuple(t.kind for t in self._arenas)
+        return tuple(t.kind for t in self._readers)
 
     @property
     def transports(self) -> list[int]:
@@ -140,7 +147,8 @@ class Producer:
             lease, reader = found
             ref = _copy(lease.meta)
             ref.lease.expires_unix_ms, ref.lease.reader = lease.expires_unix_ms, reader
-            if home is transport:
+            if home.arena is transport.arena:  # this transport reads that arena (CUDA_IPC, or its peer form)
+                ref.transport = transport.kind
                 return ref
             try:
                 (out,) = transport.export([home.run_tensor(ref, layout(ref))])

@@ -109,13 +109,20 @@ def lease_ids(refs: Iterable[pb.TensorRef]) -> list[int]:
 def choose_transport(producer_host: str, producer_gpu: str, offered: tuple[int, ...], consumer: pb.ConsumerInfo) -> int:
     """The consumer's most preferred transport that works between the two; inline bytes last.
 
-    CUDA IPC needs the same host and the same GPU; shared memory the same host. INLINE is
-    always possible, offered or not. INVALID_ARGUMENT when nothing the consumer accepts works.
+    CUDA IPC needs the same host and the same GPU; its peer form the same host and a consumer
+    GPU that reads the producer's directly (`consumer.peer_gpu_uuids`); shared memory the same
+    host. INLINE is always possible, offered or not. INVALID_ARGUMENT when nothing the consumer
+    accepts works.
     """
     accept = tuple(consumer.accept) or (pb.TRANSPORT_INLINE,)
     same_host = consumer.host_id == producer_host
+    same_gpu = bool(producer_gpu) and consumer.gpu_uuid == producer_gpu
     works = {
-        pb.TRANSPORT_CUDA_IPC: same_host and bool(producer_gpu) and consumer.gpu_uuid == producer_gpu,
+        pb.TRANSPORT_CUDA_IPC: same_host and same_gpu,
+        pb.TRANSPORT_CUDA_IPC_PEER: same_host
+        and bool(producer_gpu)
+        and not same_gpu
+        and producer_gpu in consumer.peer_gpu_uuids,
         pb.TRANSPORT_SHM: same_host,
         pb.TRANSPORT_INLINE: True,
     }

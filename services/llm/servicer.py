@@ -213,6 +213,7 @@ class LlmServicer(llm_pb2_grpc.LlmServicer):
             host_id=self.consumer.host,
             gpu_uuid=self.consumer.gpu_uuid,
             transports=self.consumer.transports,
+            peer_gpu_uuids=self.consumer.peer_gpu_uuids,
             max_context=self.spec.text.max_context,
             image_tokens=self.spec.image_tokens,
             default_max_tokens=self.default_max_tokens,

@@ -22,7 +22,7 @@ from vlmesh.v1 import common_pb2 as pb
 from vlmesh.v1 import gateway_pb2, gateway_pb2_grpc, llm_pb2, llm_pb2_grpc, vision_pb2, vision_pb2_grpc
 
 pytestmark = pytest.mark.gpu
-CUDA, SHM = pb.TRANSPORT_CUDA_IPC, pb.TRANSPORT_SHM
+CUDA, SHM, PEER = pb.TRANSPORT_CUDA_IPC, pb.TRANSPORT_SHM, pb.TRANSPORT_CUDA_IPC_PEER
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
 
@@ -60,6 +60,44 @@ def test_bit_exact(peer, dtype, transport):
         assert ref.transport == transport
         out = consumer.open([ref]).tensors[0]
         assert out.device.type == ("cuda" if transport == CUDA else "cpu")
+        assert sha256(out) == digest, "features changed on the way"
+        assert call(conn, "release", ref.lease.id)
+        with pytest.raises(FailedPrecondition, match="stale"):
+            consumer.open([ref])
+    assert call(conn, "stats")["leased"] == 0
+
+
+two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs of one host"
+)
+
+
+@two_gpus
+@pytest.mark.parametrize(
+    "peer", [("--ready", "sync", "--slot-mib", "9"), ("--ready", "event", "--slot-mib", "9")], indirect=True
+)
+def test_another_gpu_reads_the_arena_over_the_peer_link_bit_exact(peer):
+    """The producer on GPU 0, the consumer on GPU 1: negotiation picks the peer form, the copy
+    lands on GPU 1 unchanged, and a released reference is refused as on one GPU."""
+    _, conn = peer
+    consumer = Consumer(torch.device("cuda:1"))
+    stats = call(conn, "stats")
+    if stats["gpu_uuid"] not in consumer.peer_gpu_uuids:
+        pytest.skip("GPU 1 has no peer access to GPU 0")
+    info = pb.ConsumerInfo(
+        host_id=consumer.host, gpu_uuid=consumer.gpu_uuid, accept=consumer.transports,
+        peer_gpu_uuids=consumer.peer_gpu_uuids,
+    )  # fmt: skip
+    from services.handoff.wire import choose_transport
+
+    assert choose_transport(stats["host"], stats["gpu_uuid"], (CUDA, PEER, SHM), info) == PEER
+    for seed in range(5):
+        ref, digest, _ = write(conn, seed, (576, 4096), "bfloat16", PEER)
+        opened = consumer.open([ref])
+        out = opened.tensors[0]
+        assert ref.transport == PEER and out.device == torch.device("cuda:1")
+        torch.cuda.synchronize(1)
+        opened.verify()  # the lease held while the copy ran
         assert sha256(out) == digest, "features changed on the way"
         assert call(conn, "release", ref.lease.id)
         with pytest.raises(FailedPrecondition, match="stale"):

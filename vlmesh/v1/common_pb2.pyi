@@ -26,6 +26,7 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSPORT_SHM: _ClassVar[Transport]
     TRANSPORT_CUDA_IPC: _ClassVar[Transport]
     TRANSPORT_INLINE: _ClassVar[Transport]
+    TRANSPORT_CUDA_IPC_PEER: _ClassVar[Transport]
 
 class ReadySignal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -43,6 +44,7 @@ TRANSPORT_UNSPECIFIED: Transport
 TRANSPORT_SHM: Transport
 TRANSPORT_CUDA_IPC: Transport
 TRANSPORT_INLINE: Transport
+TRANSPORT_CUDA_IPC_PEER: Transport
 READY_SIGNAL_UNSPECIFIED: ReadySignal
 READY_SIGNAL_PRODUCER_SYNCED: ReadySignal
 READY_SIGNAL_CUDA_EVENT: ReadySignal
@@ -188,21 +190,23 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, mem_handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class ConsumerInfo(_message.Message):
-    __slots__ = ("host_id", "gpu_uuid", "accept")
+    __slots__ = ("host_id", "gpu_uuid", "accept", "peer_gpu_uuids")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_FIELD_NUMBER: _ClassVar[int]
+    PEER_GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     gpu_uuid: str
     accept: _containers.RepeatedScalarFieldContainer[Transport]
-    def __init__(self, host_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., accept: _Optional[_Iterable[_Union[Transport, str]]] = ...) -> None: ...
+    peer_gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, host_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., accept: _Optional[_Iterable[_Union[Transport, str]]] = ..., peer_gpu_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServiceInfo(_message.Message):
-    __slots__ = ("service", "model_id", "host_id", "gpu_uuid", "transports", "max_context", "image_tokens", "default_max_tokens", "variant", "reads_cached_images")
+    __slots__ = ("service", "model_id", "host_id", "gpu_uuid", "transports", "max_context", "image_tokens", "default_max_tokens", "variant", "reads_cached_images", "peer_gpu_uuids")
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +217,7 @@ class ServiceInfo(_message.Message):
     DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VARIANT_FIELD_NUMBER: _ClassVar[int]
     READS_CACHED_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    PEER_GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     service: str
     model_id: str
     host_id: str
@@ -223,4 +228,5 @@ class ServiceInfo(_message.Message):
     default_max_tokens: int
     variant: str
     reads_cached_images: bool
-    def __init__(self, service: _Optional[str] = ..., model_id: _Optional[str] = ..., host_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., max_context: _Optional[int] = ..., image_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., variant: _Optional[str] = ..., reads_cached_images: _Optional[bool] = ...) -> None: ...
+    peer_gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, service: _Optional[str] = ..., model_id: _Optional[str] = ..., host_id: _Optional[str] = ..., gpu_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., max_context: _Optional[int] = ..., image_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., variant: _Optional[str] = ..., reads_cached_images: _Optional[bool] = ..., peer_gpu_uuids: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -12,7 +12,8 @@ from services.handoff.producer import Producer
 from services.handoff.wire import choose_transport
 from vlmesh.v1 import common_pb2 as pb
 
-SHM, CUDA, INLINE = pb.TRANSPORT_SHM, pb.TRANSPORT_CUDA_IPC, pb.TRANSPORT_INLINE
+SHM, CUDA, INLINE, PEER = pb.TRANSPORT_SHM, pb.TRANSPORT_CUDA_IPC, pb.TRANSPORT_INLINE, pb.TRANSPORT_CUDA_IPC_PEER
+ALL = [CUDA, PEER, SHM, INLINE]  # a GPU consumer's order
 
 
 @pytest.mark.parametrize(
@@ -25,6 +26,12 @@ SHM, CUDA, INLINE = pb.TRANSPORT_SHM, pb.TRANSPORT_CUDA_IPC, pb.TRANSPORT_INLINE
         (pb.ConsumerInfo(host_id="other", gpu_uuid="G", accept=[CUDA, SHM, INLINE]), (CUDA, SHM), "G", INLINE),
         (pb.ConsumerInfo(host_id="h", accept=[INLINE]), (SHM,), "", INLINE),
         (pb.ConsumerInfo(), (SHM,), "", INLINE),  # a consumer that says nothing gets bytes
+        # Another GPU of the host: over the peer link where the consumer's GPU reads the producer's.
+        (pb.ConsumerInfo(host_id="h", gpu_uuid="G1", accept=ALL, peer_gpu_uuids=["G"]), (CUDA, PEER, SHM), "G", PEER),
+        (pb.ConsumerInfo(host_id="h", gpu_uuid="G1", accept=ALL, peer_gpu_uuids=["G2"]), (CUDA, PEER, SHM), "G", SHM),
+        (pb.ConsumerInfo(host_id="h", gpu_uuid="G", accept=ALL, peer_gpu_uuids=["G"]), (CUDA, PEER, SHM), "G", CUDA),
+        (pb.ConsumerInfo(host_id="x", gpu_uuid="G1", accept=ALL, peer_gpu_uuids=["G"]), (CUDA, PEER, SHM), "G", INLINE),
+        (pb.ConsumerInfo(host_id="h", gpu_uuid="G1", accept=ALL, peer_gpu_uuids=["G"]), (SHM,), "", SHM),
     ],
 )
 def test_negotiation(consumer, offered, producer_gpu, expected):
