@@ -17,10 +17,12 @@ size must fit the arena, the first page's and the last page's (the one the size 
 lease ids must be the reference's (before and after the copy, a seqlock) with time left
 before its expiry, and the heartbeat must be fresh, which tells a live producer from one
 that died (its memory may be gone). A size that ends in another page than the run's last
-finds an id of 0 or another lease's there, so no reference reads past its own run. Those 8-byte fields are read and
-written as whole words (`Words`), never with struct: `struct.pack_into` zero-fills a field
-before it writes it, and a reader could see a lease id or an expiry of 0 while a share rewrites
-the same values (a spurious "stale" or "about to expire" on a busy cached run).
+finds an id of 0 or another lease's there, so no reference reads past its own run.
+
+Those 8-byte fields are read and written as whole words (`Words`), never with struct:
+`struct.pack_into` zero-fills a field before it writes it, and a reader could see a lease id or
+an expiry of 0 while a share rewrites the same values (a spurious "stale" or "about to expire"
+on a busy cached run).
 
 The heartbeat and the expiries are the producer's CLOCK_MONOTONIC readings. A consumer
 compares them with its own clock only as a fast path: when a beat looks stale it watches for
