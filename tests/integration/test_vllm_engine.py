@@ -57,12 +57,24 @@ def vllm_mesh(model, **overrides) -> Mesh:
 
 
 @pytest.fixture(scope="module")
-def vmesh(tiny_model):
+def long_model(tmp_path_factory):
+    """The session's tiny LLaVA (the same seed, so the same weights) with 2048 positions: room for a
+    long request that outlasts the sends queued behind it on a busy host."""
+    from services.model.tiny import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava-2048"), seed=0, context=2048)
+
+
+@pytest.fixture(scope="module")
+def vmesh(long_model):
     """The tiny LLaVA through vLLM, one sequence at a time (so that queueing order is visible)."""
-    mesh = vllm_mesh(tiny_model, max_llm_batch=1)
+    mesh = vllm_mesh(long_model, max_llm_batch=1)
     with mesh, grpc.insecure_channel(mesh.target("gateway")) as ch:
         mesh.stub = gateway_pb2_grpc.GatewayStub(ch)
         yield mesh
+
+
+LONG = 1800  # tokens of the request the others queue behind (440 ended too soon under a second test run)
 
 
 def req(tokens: int, seed: int = 5, fixed: bool = True) -> gateway_pb2.GenerateRequest:
@@ -77,8 +89,8 @@ def embeds_sent(mesh) -> float:
     return sample(scrape(mesh.metrics_ports["llm"]), EMBEDS) or 0.0
 
 
-def test_greedy_tokens_match_transformers(vmesh, tiny_model):
-    check_against_transformers(vmesh.stub, tiny_model)
+def test_greedy_tokens_match_transformers(vmesh, long_model):
+    check_against_transformers(vmesh.stub, long_model)
     assert embeds_sent(vmesh) >= 4  # the features went in as prompt_embeds, and were counted
 
 
@@ -114,7 +126,7 @@ def test_realtime_overtakes_waiting_best_effort(vmesh):
 def one_overtaking_try(vmesh) -> tuple[dict[str, float], dict, float, float]:
     """A long request, then be-1, be-2 and rt behind it: (when each of those finished, their futures,
     when the last was sent, when the long one ended)."""
-    long_call = vmesh.stub.Generate(req(440), metadata=[("qos-level", "standard")], timeout=120)
+    long_call = vmesh.stub.Generate(req(LONG), metadata=[("qos-level", "standard")], timeout=120)
     next(long_call)  # it holds the only sequence
     finished: dict[str, float] = {}
     futures = {}
