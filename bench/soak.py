@@ -5,11 +5,12 @@
 It starts a mesh, measures its capacity (a closed loop of `--concurrency` for `--probe-s`),
 then offers Poisson arrivals at `--load` of that rate (or, with `--clients N`, keeps N requests in
 flight, a closed loop that a slower host slows too), as realtime, standard and best-effort
-requests (`--mix`), each a fresh picture (or, with `--pool N`, one of N drawn as W3 draws them), for
-`--duration` seconds. Every `--sample-s` it records
-each service's memory (RSS, and the private part: RSS minus pages shared with other processes,
-such as the feature arenas), open file descriptors and threads, and the shared-memory segments
-the services made.
+requests (`--mix`), each a fresh picture (or, with `--pool N`, one of N drawn as W3 draws them; or,
+with `--mixed`, 1 to 3 fresh pictures of sizes from 224x224 to 1280x720, for models that read a
+picture at its own size: their features take arena runs of every length), for `--duration` seconds.
+Every `--sample-s` it records each service's memory (RSS, and the private part: RSS minus pages
+shared with other processes, such as the feature arenas), open file descriptors and threads, and
+the shared-memory segments the services made.
 
 On a GPU (`--device cuda`) each sample also holds each service's GPU memory: its PyTorch
 allocator's reserved and allocated bytes, read from its /metrics (`vlmesh_gpu_memory_bytes`),
@@ -64,6 +65,21 @@ def rendered(stream: tuple[int, ...]) -> bytes:
 pooled = functools.lru_cache(maxsize=1024)(rendered)  # a pool's pictures, encoded once
 
 
+# --mixed: W1's and W2's sizes, a photo's, W4's 1280x720, and a tall page.
+MIXED_SIZES = ((224, 224), (384, 384), (640, 480), (1280, 720), (448, 1344))
+
+
+def mixed_pictures(i: int) -> tuple[list[bytes], str]:
+    """Request i's pictures with --mixed: 1 to 3 fresh ones, each of a size from MIXED_SIZES."""
+    rng = np.random.default_rng([SEED, 29, i])
+    datas = []
+    for j in range(int(rng.integers(1, 4))):
+        size = MIXED_SIZES[int(rng.integers(len(MIXED_SIZES)))]
+        img = render(np.random.default_rng([SEED, i, j])).image.resize(size)
+        datas.append(encode(img, "JPEG", 90))
+    return datas, list(PROMPTS)[i % len(PROMPTS)]
+
+
 def picture(i: int, pool: int = 0, zipf_s: float = 1.1) -> tuple[bytes, str]:
     """Request i's picture and prompt: a fresh picture, or with `pool`, one of that many drawn
     Zipf(zipf_s) as W3 draws them (the prompts cycle, so a picture comes back with other questions too)."""
@@ -78,19 +94,26 @@ def picture(i: int, pool: int = 0, zipf_s: float = 1.1) -> tuple[bytes, str]:
 class Load:
     """Requests through the gateway; every one ends counted (a status, or lost)."""
 
-    def __init__(self, target: str, max_tokens: int, pool: int = 0) -> None:
+    def __init__(self, target: str, max_tokens: int, pool: int = 0, mixed: bool = False) -> None:
         self.channel = grpc.aio.insecure_channel(target)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
-        self.max_tokens, self.pool = max_tokens, pool
+        self.max_tokens, self.pool, self.mixed = max_tokens, pool, mixed
         self.statuses: Counter = Counter()
         self.e2e: dict[str, list[float]] = {c: [] for c in CLASSES}
         self.sent = 0
         self.pending: set[asyncio.Task] = set()
 
     async def one(self, i: int, qos: str, record: bool = True) -> None:
-        data, prompt = await asyncio.get_running_loop().run_in_executor(None, picture, i, self.pool)  # not on the loop
+        loop = asyncio.get_running_loop()  # pictures are made off the loop
+        if self.mixed:
+            datas, prompt = await loop.run_in_executor(None, mixed_pictures, i)
+        else:
+            data, prompt = await loop.run_in_executor(None, picture, i, self.pool)
+            datas = [data]
         req = gateway_pb2.GenerateRequest(
-            images=[pb.Image(data=data)], prompt=prompt, sampling=pb.SamplingParams(max_tokens=self.max_tokens)
+            images=[pb.Image(data=d) for d in datas],
+            prompt=prompt,
+            sampling=pb.SamplingParams(max_tokens=self.max_tokens),
         )
         start = time.perf_counter()
         try:
@@ -251,7 +274,7 @@ async def sample_every(samples: list[dict], every_s: float, procs, t0: float, me
 
 
 async def soak(mesh: Mesh, args) -> dict:
-    load = Load(mesh.target("gateway"), args.max_tokens, args.pool)
+    load = Load(mesh.target("gateway"), args.max_tokens, args.pool, args.mixed)
     procs = {c.name: psutil.Process(c.proc.pid) for c in mesh.children}
     metrics = {}
     if args.device.startswith("cuda"):
@@ -340,6 +363,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="draw pictures Zipf(1.1) from a pool of this many, as W3 does (default: fresh)",
+    )
+    p.add_argument(
+        "--mixed",
+        action="store_true",
+        help="1 to 3 fresh pictures a request, of sizes from 224x224 to 1280x720 (models that read a picture "
+        "at its own size, e.g. Qwen2.5-VL)",
     )
     p.add_argument(
         "--max-growth", type=float, default=0.01, help="private (and reserved GPU) memory growth allowed (default 1%%)"

@@ -69,6 +69,18 @@ def test_quant_agreement_compares_each_kind_with_fp32_and_bf16(tmp_path):
     assert refused.returncode == 2 and "fp8 needs a CUDA GPU" in refused.stderr
 
 
+def test_soak_with_pictures_of_mixed_sizes_through_qwen(tmp_path, tiny_qwen):
+    """bench.soak --mixed: 1 to 3 pictures a request, 224x224 to 1280x720, each taking its own count
+    of tokens and its own run of arena pages; nothing lost, every request answered."""
+    out = tmp_path / "soak.json"
+    tool(
+        *("bench.soak", "--model", str(tiny_qwen), "--mixed", "--clients", "2", "--duration", "10"),
+        *("--warmup", "3", "--sample-s", "1", "--max-growth", "1", "--out", str(out)),
+    )
+    soak = strict(out.read_text())
+    assert soak["sent"] >= 4 and soak["lost"] == 0 and soak["statuses"] == {"OK": soak["sent"]}, soak["statuses"]
+
+
 def test_engine_host_times_the_engine_thread_with_the_model_taken_out():
     result = tool("bench.engine_host", "--model", DEMO, "--batch", "4", "--tokens", "8")
     assert re.fullmatch(r"engine host time per step at batch 4: \d+\.\d{3} ms \(median of \d+\)\n", result.stdout)
