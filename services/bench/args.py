@@ -243,6 +243,7 @@ def mesh_overrides(args: argparse.Namespace, http: bool = False) -> dict:
         http_port=0 if http else -1,
         tls_throwaway_ca=args.tls,
         cuda_mps=args.cuda_mps,
+        envoy_admin_port=0,  # with --placement replicate or --variants in --mesh-flags: Envoy's admin on a free port
     )
 
 

@@ -210,12 +210,15 @@ def serve(name: str, args, say, http: bool = False):
     Yields ({target: endpoint}, server pids); no endpoint for targets that run in this process.
     """
     if name in ("mesh", "mesh-http") and args.gateway is None:
-        from services.launcher import Mesh, MeshOptions
+        from services.launcher import MeshOptions
+        from services.launcher.cli import mesh_for
+        from services.launcher.variants import VariantMesh
 
-        mesh = Mesh(MeshOptions.from_flags(shlex.split(args.mesh_flags), **mesh_overrides(args, http)))
+        mesh = mesh_for(MeshOptions.from_flags(shlex.split(args.mesh_flags), **mesh_overrides(args, http)))
         try:
             mesh.start(progress=say)
-            endpoints = {"mesh": mesh.target("gateway"), **({"mesh-http": mesh.http_url()} if http else {})}
+            front = mesh.target() if isinstance(mesh, VariantMesh) else mesh.target("gateway")  # Envoy's, or its own
+            endpoints = {"mesh": front, **({"mesh-http": mesh.http_url()} if http else {})}
             if args.tls:
                 endpoints["mesh-ca"] = mesh.opts.gateway.server.tls_ca
             yield endpoints, [c.proc.pid for c in mesh.children]

@@ -199,14 +199,13 @@ def up(argv: list[str] | None = None) -> int:
         ready = False
         try:
             options = _checked_options(sys.argv[1:] if argv is None else argv)
-            if options.variants or options.placement == "replicate":
-                mesh = behind_envoy(options)
+            mesh = mesh_for(options)
+            if isinstance(mesh, VariantMesh):
                 mesh.start(_say)
                 http = f"; OpenAI-compatible HTTP on {mesh.http_url()}" if mesh.http_listen else ""
                 what = f"variants {options.variants}" if options.variants else f"{len(mesh.meshes)} workers"
                 print(f"gateway ready on {mesh.target()} (envoy, {what}){http}", flush=True)
             else:
-                mesh = Mesh(placement.split(options) if options.placement == "split" else options)
                 mesh.start(_say)
                 http = f"; OpenAI-compatible HTTP on {mesh.http_url()}" if mesh.http_port else ""
                 print(f"gateway ready on {mesh.target('gateway')}{http}", flush=True)
@@ -229,6 +228,14 @@ def up(argv: list[str] | None = None) -> int:
             if mesh is not None:
                 with signals_ignored():
                     mesh.stop()
+
+
+def mesh_for(options: MeshOptions) -> Mesh | VariantMesh:
+    """What `vlmesh up` runs for these options: workers behind Envoy (--variants, --placement
+    replicate), or one worker (on one device, or --placement split over two)."""
+    if options.variants or options.placement == "replicate":
+        return behind_envoy(options)
+    return Mesh(placement.split(options) if options.placement == "split" else options)
 
 
 def behind_envoy(options: MeshOptions) -> VariantMesh:

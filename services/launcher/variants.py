@@ -117,6 +117,11 @@ class VariantMesh:
             raise MeshError("the mesh serves no HTTP (--http-port -1)")
         return f"{'https' if self.tls else 'http'}://{self.http_listen[0]}:{self.http_listen[1]}/v1"
 
+    @property
+    def children(self) -> list:
+        """Every worker's running children (vision, llm, gateway), as `Mesh.children`."""
+        return [child for mesh in self.meshes.values() for child in mesh.children]
+
     def gateway(self, name: str) -> str:
         """Worker `name`'s own gateway, HOST:PORT (a variant's name, or NAME-I for its replica I)."""
         return self.meshes[name].target("gateway")
