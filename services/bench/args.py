@@ -151,7 +151,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         "--quantize",
         default="none",
         choices=QUANTIZATIONS,
-        help="the native engine's weight-only quantization (mesh): int8, int4 (CUDA, bf16) (default %(default)s)",
+        help="the native engine's decoder quantization (mesh), as vlmesh up --quantize: int8 weight-only (CPU "
+        "or CUDA), int4 weight-only (CUDA, bf16), fp8 weights and prompt activations (CUDA, bf16, compute "
+        "capability 8.9+) (default %(default)s)",
     )
     p.add_argument(
         "--ready-signal",
