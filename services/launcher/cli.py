@@ -252,6 +252,24 @@ def _say(msg: str) -> None:
     print(f"vlmesh up: {msg}", file=sys.stderr, flush=True)
 
 
+def check_fp8_device(options: MeshOptions, p: argparse.ArgumentParser) -> None:
+    """fp8 (the llm's or a variant's) on a host whose llm runs on the CPU is refused here, before any
+    child starts; a GPU older than compute capability 8.9 is refused by the llm at load, naming it."""
+    variants = parse_variants(options.variants) if options.variants else []
+    kinds = [v.quantize for v in variants] or [options.llm.native.quantize]
+    if "fp8" not in kinds:
+        return
+    from services.common.config import resolve_device
+
+    try:
+        device = resolve_device(options.llm.model.device)
+    except ValueError as err:
+        p.error(str(err))
+    if device.type != "cuda":
+        which = f"--variants {options.variants}" if options.variants else "--quantize fp8"
+        p.error(f"{which}: fp8 needs a CUDA GPU of compute capability 8.9+ (Ada, Hopper); the llm runs on the CPU here")
+
+
 def _checked_options(argv: Sequence[str]) -> MeshOptions:
     """Parse and check everything that can fail before a child starts (argparse exits 2 on a bad
     flag; PortBusy for a taken port)."""
@@ -275,6 +293,7 @@ def _checked_options(argv: Sequence[str]) -> MeshOptions:
             envoy_binary()
         except (ValueError, MeshError) as err:
             p.error(f"--variants: {err}")
+    check_fp8_device(options, p)
     if options.placement == "replicate":
         if options.cuda_mps:
             p.error("--cuda-mps: not with --placement replicate yet (one daemon per GPU)")

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.common import lifeline
 from services.common.config import LLM_MAX_BATCH, MESH_METRICS_PORTS, MESH_PORTS, ModelConfig, ServerConfig
@@ -285,3 +286,21 @@ def test_the_launcher_imports_no_servicer_engine_or_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--device", "cpu", "--quantize", "fp8"],
+        ["--device", "cpu", "--variants", "full=30,fp8=70"],
+        pytest.param(
+            ["--quantize", "fp8"],  # --device auto: the CPU on this host
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="auto picks the GPU on this host"),
+        ),
+    ],
+)
+def test_up_refuses_fp8_on_the_cpu_before_any_child_starts(flags, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli._checked_options(["--model", "models/demo", *flags])
+    assert exit_.value.code == 2
+    assert "fp8 needs a CUDA GPU of compute capability 8.9+" in capsys.readouterr().err
