@@ -7,7 +7,9 @@ A gRPC listener and, for the OpenAI door, an HTTP one; per variant a cluster of 
 it (priority 1), and a pinned cluster of its gateways alone; routes for the pins, Envoy's own
 NOT_FOUND for a pin to a variant not served, then the weights from Envoy's runtime. Within a
 priority Envoy sends each request to the gateway with fewer requests in flight (LEAST_REQUEST:
-the better of two picked at random), so a worker slowed by long prompts gets less.
+the better of two picked at random), so a worker slowed by long prompts gets less. Realtime
+requests (`qos-level: realtime`) take each route at Envoy's HIGH routing priority: a connection
+pool and circuit-breaker limits of their own.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.common.config import MODEL_VARIANT_SEPARATOR, VARIANT_METADATA_KEY
+from services.common.qos import QOS_METADATA_KEY, QosLevel
 from services.launcher.routing import (
     BUFFER_BYTES,
     GATEWAY_SERVICE,
@@ -85,7 +88,9 @@ def _cluster(name: str, priorities: Sequence[Sequence[tuple[str, int]]], tls: Tl
         },
         # Envoy allows 3 retries in flight per pool by default: a worker that dies under load fails
         # more requests than that at once, and each must be retried on another variant.
-        "circuit_breakers": {"thresholds": [{"priority": "DEFAULT", "max_retries": MAX_RETRIES_IN_FLIGHT}]},
+        "circuit_breakers": {
+            "thresholds": [{"priority": p, "max_retries": MAX_RETRIES_IN_FLIGHT} for p in ("DEFAULT", "HIGH")]
+        },
         "health_checks": [_health_check(http)],
         "outlier_detection": {
             "consecutive_5xx": OUTLIER.consecutive_5xx,
@@ -211,7 +216,20 @@ def _routes(variants: Sequence[Variant], http: bool) -> list[dict]:
             "route": {**limits, "weighted_clusters": weighted, "retry_policy": _retry_policy(http, pinned=False)},
         }
     )
-    return routes
+    return [twin for r in routes for twin in ((_realtime(r), r) if "route" in r else (r,))]
+
+
+# The qos-level header (gRPC metadata, or the HTTP door's header) of realtime work.
+REALTIME = {"name": QOS_METADATA_KEY, "string_match": {"exact": QosLevel.REALTIME.wire}}
+
+
+def _realtime(route: dict) -> dict:
+    """The same route for realtime work at Envoy's HIGH routing priority: its own connection pool to
+    each gateway and its own circuit-breaker limits, so a backlog of standard and best-effort streams
+    cannot hold it at the door (the gateways order the queues). Placed just before its twin, so
+    refusals of unserved pins still come first."""
+    match = {**route["match"], "headers": [*route["match"].get("headers", []), REALTIME]}
+    return {**route, "match": match, "route": {**route["route"], "priority": "HIGH"}}
 
 
 def _clusters(

@@ -68,9 +68,33 @@ def test_a_failed_request_fails_over_only_from_the_weighted_route():
             assert "retriable-status-codes" in policy["retry_on"] and policy["retriable_status_codes"] == [503]
         else:
             assert policy["retry_on"].endswith(",unavailable")
-        for r in routes[:-1]:
+        assert routes[-2]["route"]["retry_policy"] == policy  # its realtime twin
+        for r in routes[:-2]:
             if "route" in r:
                 assert r["route"]["retry_policy"]["retry_on"] == "connect-failure,refused-stream,reset-before-request"
+
+
+def test_realtime_work_takes_each_route_at_high_priority_after_the_refusals_before_it():
+    """Each route has a realtime twin just before it, at Envoy's HIGH routing priority (a connection
+    pool and circuit breakers of its own); a pin to a variant not served is refused all the same."""
+    config = envoy_config(VARIANTS, GATEWAYS, ("127.0.0.1", 3), ("127.0.0.1", 4), None, DOOR)
+    for listener in config["static_resources"]["listeners"]:
+        manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+        forwarded = [i for i, r in enumerate(routes) if "route" in r]
+        assert len(forwarded) % 2 == 0 and forwarded
+        for high, default in zip(forwarded[::2], forwarded[1::2], strict=True):
+            assert default == high + 1
+            twin, route = routes[high], routes[default]
+            assert twin["route"].pop("priority") == "HIGH" and "priority" not in route["route"]
+            assert twin["route"] == route["route"]
+            realtime = {"name": "qos-level", "string_match": {"exact": "realtime"}}
+            assert twin["match"]["headers"] == [*route["match"].get("headers", []), realtime]
+        refusals = [i for i, r in enumerate(routes) if "direct_response" in r]
+        assert refusals and max(refusals) < forwarded[-2]  # before the weighted routes, realtime's too
+    for cluster in config["static_resources"]["clusters"]:
+        limits = cluster["circuit_breakers"]["thresholds"]
+        assert [t["priority"] for t in limits] == ["DEFAULT", "HIGH"]
 
 
 def test_envoy_refuses_a_broken_config(tmp_path):
