@@ -79,12 +79,12 @@ def test_envoy_serves_tls_only(variants):
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def ask(stub, pin: str | None = None) -> str:
+def ask(stub, pin: str | None = None, qos: str | None = None) -> str:
     """One answer through Envoy; the variant that served it, or the status it ended with."""
     req = gateway_pb2.GenerateRequest(
         images=[pb.Image(data=PICTURE)], prompt="What?", sampling=pb.SamplingParams(max_tokens=1)
     )
-    metadata = (("x-model-variant", pin),) if pin else ()
+    metadata = ((("x-model-variant", pin),) if pin else ()) + ((("qos-level", qos),) if qos else ())
     try:
         _, call = stub.GenerateUnary.with_call(req, metadata=metadata, timeout=30)
     except grpc.RpcError as err:
@@ -96,6 +96,9 @@ def ask(stub, pin: str | None = None) -> str:
 def test_a_pinned_request_goes_to_its_variant_only(stub):
     assert {ask(stub, pin="int8") for _ in range(20)} == {"int8"}
     assert {ask(stub, pin="full") for _ in range(20)} == {"full"}
+    # realtime takes the routes' HIGH-priority twins (services/launcher/envoy.py): the same pins
+    assert {ask(stub, pin="int8", qos="realtime") for _ in range(10)} == {"int8"}
+    assert {ask(stub, qos="realtime") for _ in range(20)} <= {"full", "int8"}
 
 
 def test_new_weights_take_effect_without_a_restart(variants, stub):
@@ -207,14 +210,15 @@ def test_a_pin_to_a_variant_the_mesh_lacks_is_not_found_by_envoy(client, stub):
         with pytest.raises(openai.NotFoundError) as err:
             client.chat.completions.create(messages=MESSAGES, max_tokens=1, **{"model": "demo", **pin})
         assert err.value.code == "model_not_found" and "it serves full, int8" in err.value.message
-    with pytest.raises(grpc.RpcError) as refused:
-        stub.GenerateUnary(
-            gateway_pb2.GenerateRequest(images=[pb.Image(data=PICTURE)], prompt="What?"),
-            metadata=(("x-model-variant", "int4"),),
-            timeout=30,
-        )
-    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
-    assert "this mesh serves no such variant: it serves full, int8" in refused.value.details()
+    for qos in ("standard", "realtime"):  # realtime's HIGH-priority routes come after the refusals
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.GenerateUnary(
+                gateway_pb2.GenerateRequest(images=[pb.Image(data=PICTURE)], prompt="What?"),
+                metadata=(("x-model-variant", "int4"), ("qos-level", qos)),
+                timeout=30,
+            )
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "this mesh serves no such variant: it serves full, int8" in refused.value.details()
 
 
 # ---- failover: a worker's process killed under load, through either door ----
