@@ -5,7 +5,7 @@ Three phases against one mesh (W1 requests, 16 forced output tokens, open loop):
    capacity = answered per second;
 2. unloaded: realtime requests alone for --unloaded-s seconds, Poisson at the rate they have
    in the overload (20% of it: the mesh carries realtime's own load and nothing else), and
-   at 1 req/s (the mesh idle between requests);
+   for --idle-s seconds at 1 req/s (the mesh idle between requests; 0 leaves it out);
 3. overload: Poisson at --factor x capacity for --duration seconds, QoS mix 20/60/20.
 
 It prints, per class, what was sent, answered (and of those, degraded), refused
@@ -148,9 +148,10 @@ async def run(args) -> dict:
         rate = args.factor * capacity
         realtime = RequestFactory(WORKLOADS["W1"], tokenizer, args.seed + 1, (1.0, 0.0, 0.0))
         alone = {}
-        for name, rt_rate in (("idle", 1.0), ("alone", MIX[0] * rate)):
-            label = f"realtime {name}"
-            alone[name], _ = await run_open_loop(target, realtime, rt_rate, args.unloaded_s, args.seed, label)
+        for name, rt_rate, seconds in (("idle", 1.0, args.idle_s), ("alone", MIX[0] * rate, args.unloaded_s)):
+            if seconds > 0:
+                label = f"realtime {name}"
+                alone[name], _ = await run_open_loop(target, realtime, rt_rate, seconds, args.seed, label)
         mixed = RequestFactory(WORKLOADS["W1"], tokenizer, args.seed + 2, MIX)
         loaded, client = await run_open_loop(target, mixed, rate, args.duration, args.seed, "overload")
     finally:
@@ -216,7 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", type=float, default=None, help="req/s; measured when not given")
     p.add_argument("--capacity-s", type=float, default=10.0, help="closed-loop seconds to measure it")
     p.add_argument(
-        "--unloaded-s", type=float, default=25.0, help="seconds of each realtime-alone run (default %(default)s)"
+        "--unloaded-s",
+        type=float,
+        default=25.0,
+        help="seconds of realtime alone at its overload rate (default %(default)s)",
+    )
+    p.add_argument(
+        "--idle-s", type=float, default=25.0, help="seconds of realtime alone at 1 req/s; 0: none (default %(default)s)"
     )
     p.add_argument("--max-llm-batch", type=int, default=llm_config.DEFAULT_MAX_BATCH)
     p.add_argument("--threads", type=int, default=1, help="torch threads per service (default %(default)s)")
