@@ -88,6 +88,15 @@ class ServerConfig:
         "while its bytes in use stayed flat: free space stranded across arenas (docs/PERF.md). 0 keeps "
         "glibc's limit; MALLOC_ARENA_MAX in the environment wins (default %(default)s)",
     )
+    malloc_hold_mib: int = flag(
+        "--malloc-hold-mib",
+        default=256,
+        help="glibc's heap held: blocks up to 32 MiB come from the heap, not mappings of their own, and up to "
+        "this many MiB of its free top stay (mallopt M_MMAP_THRESHOLD, M_TRIM_THRESHOLD). With glibc's moving "
+        "thresholds private memory swung by a few percent a second as each batch's tensors were mapped, freed "
+        "and the heap trimmed (docs/PERF.md). 0 keeps glibc's; its MALLOC_*_THRESHOLD_ variables in the "
+        "environment win (default %(default)s)",
+    )
     event_loop: str = flag(
         "--event-loop",
         default="auto",
@@ -128,6 +137,8 @@ class ServerConfig:
             raise ValueError(f"--grace-s {self.grace_s} must be >= 0")
         if self.malloc_arenas < 0:
             raise ValueError(f"--malloc-arenas {self.malloc_arenas} must be >= 0 (0 keeps glibc's limit)")
+        if not 0 <= self.malloc_hold_mib < 2048:
+            raise ValueError(f"--malloc-hold-mib {self.malloc_hold_mib} must be in [0, 2048) (0 keeps glibc's)")
         if not 0 < self.switch_interval_ms <= 100:
             raise ValueError(f"--switch-interval-ms {self.switch_interval_ms} must be in (0, 100]")
         eventloop.resolve(self.event_loop)

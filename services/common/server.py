@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import eventloop, gcpause, malloc_arenas, telemetry
+from services.common import eventloop, gcpause, glibc_malloc, telemetry
 from services.common.config import ServerConfig
 from services.common.errors import MeshError
 from services.common.logs import setup_logging
@@ -227,7 +227,8 @@ def run_service(
     setup_logging(server_cfg.log_level, name, server_cfg.log_format)
     logging.getLogger(name).info("event loop: %s", eventloop.resolve(server_cfg.event_loop))
     sys.setswitchinterval(server_cfg.switch_interval_ms / 1000)
-    malloc_arenas.cap_arenas(server_cfg.malloc_arenas)  # before the servers start their threads
+    glibc_malloc.cap_arenas(server_cfg.malloc_arenas)  # before the servers start their threads
+    glibc_malloc.hold_heap(server_cfg.malloc_hold_mib)
     gcpause.watch_pauses(name)
     try:
         telemetry.setup_tracing(name)

@@ -42,7 +42,7 @@ SERVICES = ("gateway", "vision", "llm")
 # service's config (services/*/config.py), with its default and help.
 SERVER_FLAGS = (  # to all three
     *("host", "log_level", "log_format", "event_loop", "grace_s", "switch_interval_ms", "gc_freeze"),
-    "malloc_arenas",
+    *("malloc_arenas", "malloc_hold_mib"),
     *("tls_cert", "tls_key", "tls_ca"),
 )
 MODEL_FLAGS = ("model", "device", "dtype", "threads", "memory_watermarks")  # to vision and llm

@@ -107,8 +107,10 @@ class ModelRunner:
             self.prefill_out = torch.compile(prefill_out, dynamic=True)
 
     def _init_kv_pool(self) -> None:
-        """The paged pool, sized by what the weights and the largest prefill leave (on CUDA)."""
-        own = self._warm_up(self.cfg.max_prefill_tokens) if self.device.type == "cuda" else 0
+        """The paged pool, sized by what the weights and the largest prefill leave (on CUDA). On the
+        CPU the largest prefill runs too: the held heap (services/common/glibc_malloc.py) then
+        holds its working set before the first request, not some minutes into serving."""
+        own = self._warm_up(self.cfg.max_prefill_tokens)
         self.n_pages = pool_pages(self.spec, self.dtype, self.device, self.cfg.kv, self.max_batch, own)
         self.kv = PagedKvCache(self.spec, self.device, self.dtype, self.n_pages, self.page_size)
 
@@ -350,9 +352,11 @@ class ModelRunner:
 
     def _warm_up(self, tokens: int) -> int:
         """Run a prefill of `tokens` positions on a small pool; return this process's peak memory:
-        what the weights and the largest prefill take is what the KV pool must leave free."""
+        what the weights and the largest prefill take is what the KV pool must leave free (0 off CUDA)."""
         device, page = self.device, self.page_size
-        torch.cuda.reset_peak_memory_stats(device)
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         per_seq = min(tokens, self.max_context)
         kv = PagedKvCache(self.spec, device, self.dtype, -(-per_seq // page) + 1, page)
         spans, row = [], 0
@@ -367,6 +371,8 @@ class ModelRunner:
             # A one-token prefill too: compiled code specialises a size of 1, and that compile
             # belongs before `ready`, not in the middle of serving.
             self._chunks_forward(kv, x[:1], positions[:1], positions[:1] + page, [Span(0, 1, 0, None)])
+        if not cuda:
+            return 0
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_reserved(device)
         del kv

@@ -16,7 +16,10 @@ Growth is the Theil-Sen trend of a sample a second (bench/soak.py, `growth_of`),
 19's 1%. The services cap glibc's malloc arenas (`--malloc-arenas`, 4 by default): with glibc's
 own limit the llm's private memory rose by 1.0-1.5% in 3 of 8 such runs on the 2-core host while
 its bytes in use stayed flat, free space stranded across its threads' arenas (docs/PERF.md, "CPU:
-the llm's memory drift in the 2-minute soak was glibc's arenas").
+the llm's memory drift in the 2-minute soak was glibc's arenas"). They also hold glibc's heap (`--malloc-hold-mib`):
+with its moving thresholds each batch's blocks were mapped and unmapped and the heap trimmed, and
+CI saw the llm's private memory at +1.8% at two minutes, +1.46% at four (docs/perf/
+2026-12-06-cpu-held-heap.md).
 
 Even so the vision's private memory swings between about 271 and 284 MiB from one second to the
 next (a batch's tensors, glibc's heap growing and trimmed), and CI's host saw a 100-second trend of

@@ -49,6 +49,7 @@ def custom_server(port: int) -> ServerConfig:
         switch_interval_ms=0.25,
         gc_freeze=False,
         malloc_arenas=1,
+        malloc_hold_mib=16,
         event_loop="asyncio",
         port_file="/tmp/ports.json",
         tls_cert=str(PEM / "cert"),
@@ -165,6 +166,7 @@ def test_checks_keep_their_messages():
         (["--metrics-port", "-2"], r"--metrics-port -2: a TCP port"),
         (["--grace-s", "-1"], r"--grace-s -1.0 must be >= 0"),
         (["--malloc-arenas", "-1"], r"--malloc-arenas -1 must be >= 0"),
+        (["--malloc-hold-mib", "2048"], r"--malloc-hold-mib 2048 must be in \[0, 2048\)"),
         (["--switch-interval-ms", "0"], r"--switch-interval-ms 0.0 must be in \(0, 100\]"),
     ):
         for parse in (vision_config.parse, llm_config.parse):
