@@ -70,7 +70,7 @@ test:
 	@$(MAKE) --no-print-directory -j4 $(VLLM_STAMP) $(PHOENIX_STAMP) prometheus-tools
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
-	REQUIRE_OBSERVABILITY=$(REQUIRE_OBSERVABILITY) REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=12 tests
+	REQUIRE_OBSERVABILITY=$(REQUIRE_OBSERVABILITY) REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=30 tests
 
 # On the GPU machine: its python already has torch with CUDA; missing wheels are carried.
 test-gpu:
