@@ -2,8 +2,8 @@
 
 - `single` (the default): one worker (vision, llm, gateway) on `--device`.
 - `split`: one worker, its vision on the first GPU listed and its llm on the second. The features
-  cross between the GPUs (services/handoff: shared memory through the host until the peer
-  transport is built; negotiation logs the fallback).
+  cross between the GPUs over CUDA IPC with peer access where the GPUs have it (services/handoff/
+  cuda.py, `CUDA_IPC_PEER`), else through host shared memory; negotiation logs which.
 - `replicate`: a worker per GPU listed, each with its own vision, llm and gateway, and Envoy in
   front balancing them by least outstanding requests (services/launcher/variants.py runs them as
   replicas of one variant). A request's vision and llm calls stay inside the worker whose gateway

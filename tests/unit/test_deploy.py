@@ -398,3 +398,42 @@ def test_the_canary_queries_select_the_canarys_pods_and_compute_what_they_say(tm
     promtool = [tool("promtool"), "test", "rules", str(tmp_path / "test.yaml")]
     out = subprocess.run(promtool, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_split_component_gives_each_worker_two_gpus_vision_on_the_first_llm_on_the_second(tmp_path):
+    """deploy/components/split over the whole mesh: every worker claims the GPU pair, its vision and
+    llm both list the claim (so the llm can open the vision's GPU memory), on cuda:0 and cuda:1; the
+    output passes the strict check. Without the component the workers keep one GPU."""
+    root = tmp_path / "split"
+    root.mkdir()
+    rel = lambda p: os.path.relpath(DEPLOY / p, root)  # noqa: E731
+    (root / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {rel('.')}\ncomponents:\n  - {rel('components/split')}\n"
+    )
+    out = subprocess.run([tool("kubectl"), "kustomize", str(root)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    (pair,) = [d for d in docs if d["kind"] == "ResourceClaimTemplate" and d["metadata"]["name"] == "vlmesh-gpu-pair"]
+    assert pair["spec"]["spec"]["devices"]["requests"][0]["count"] == 2
+    workers = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].startswith("vlmesh-worker")]
+    assert {w["metadata"]["name"] for w in workers} == {f"vlmesh-worker-{v.name}" for v in VARIANTS}
+    for worker in workers:
+        pod = worker["spec"]["template"]["spec"]
+        assert [c["resourceClaimTemplateName"] for c in pod["resourceClaims"]] == ["vlmesh-gpu-pair"]
+        containers = {c["name"]: c for c in pod["containers"]}
+        for name, device in (("vision", "cuda:0"), ("llm", "cuda:1")):
+            args = containers[name]["args"]
+            assert args[args.index("--device") + 1] == device, (worker["metadata"]["name"], name, args)
+            assert containers[name]["resources"]["claims"] == [{"name": pod["resourceClaims"][0]["name"]}]
+    assert "--device" not in containers["gateway"]["args"]
+    (plain,) = [d for d in kustomize(f"deploy/overlays/{VARIANTS[0].name}") if d["kind"] == "Deployment"]
+    assert plain["spec"]["template"]["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == "vlmesh-gpu"
+    (tmp_path / "out.yaml").write_text(out.stdout)
+    check = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", "-k", "1.32.0", "--quiet", str(tmp_path / "out.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
