@@ -64,10 +64,8 @@ prometheus-tools:
 # In CI (CI=true) the observability tests fail, not skip, when Phoenix or Prometheus is missing.
 REQUIRE_OBSERVABILITY ?= $(if $(CI),1,0)
 
-# REQUIRE_VLLM=1: the vLLM engine tests fail, not skip, if vLLM is missing. The tools the suite
-# needs are built side by side (-j): pip and apt wait on the network more than on the cores.
-test:
-	@$(MAKE) --no-print-directory -j4 $(VLLM_STAMP) $(PHOENIX_STAMP) prometheus-tools
+# REQUIRE_VLLM=1: the vLLM engine tests fail, not skip, if vLLM is missing.
+test: $(STAMP) $(VLLM_STAMP) $(PHOENIX_STAMP) prometheus-tools
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
 	REQUIRE_OBSERVABILITY=$(REQUIRE_OBSERVABILITY) REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=30 tests
