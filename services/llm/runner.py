@@ -108,8 +108,8 @@ class ModelRunner:
 
     def _init_kv_pool(self) -> None:
         """The paged pool, sized by what the weights and the largest prefill leave (on CUDA). On the
-        CPU the largest prefill runs too: the held heap (services/common/glibc_malloc.py) then
-        holds its working set before the first request, not some minutes into serving."""
+        CPU the largest prefill runs too, so the held heap (services/common/glibc_malloc.py) has its
+        share of the working set before the first request (the rest comes within about a minute)."""
         own = self._warm_up(self.cfg.max_prefill_tokens)
         self.n_pages = pool_pages(self.spec, self.dtype, self.device, self.cfg.kv, self.max_batch, own)
         self.kv = PagedKvCache(self.spec, self.device, self.dtype, self.n_pages, self.page_size)

@@ -22,7 +22,7 @@ the heap trimmed, and
 CI saw the llm's private memory at +1.8% at two minutes, +1.46% at four (docs/perf/
 2026-12-06-cpu-held-heap.md). A held heap rises to its working set in steps, the last of them up
 to about a minute into the load (once at 61 s on CI's host): the warm-up is 60 s, after which no
-run of that record rose by more than 0.6%.
+run of that record rose by more than 0.6%, and this test's own runs since by at most 0.62%.
 
 Even so the vision's private memory swings between about 271 and 284 MiB from one second to the
 next (a batch's tensors, glibc's heap growing and trimmed), and CI's host saw a 100-second trend of

@@ -426,7 +426,7 @@ def test_the_split_component_gives_each_worker_two_gpus_vision_on_the_first_llm_
             args = containers[name]["args"]
             assert args[args.index("--device") + 1] == device, (worker["metadata"]["name"], name, args)
             assert containers[name]["resources"]["claims"] == [{"name": pod["resourceClaims"][0]["name"]}]
-    assert "--device" not in containers["gateway"]["args"]
+        assert "--device" not in containers["gateway"]["args"]
     (plain,) = [d for d in kustomize(f"deploy/overlays/{VARIANTS[0].name}") if d["kind"] == "Deployment"]
     assert plain["spec"]["template"]["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == "vlmesh-gpu"
     (tmp_path / "out.yaml").write_text(out.stdout)
