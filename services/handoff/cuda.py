@@ -9,7 +9,8 @@ table lives in the arena's shared-memory header (services/handoff/arena.py).
 Readiness, chosen by the producer (`--ready-signal`):
 - `sync`: the producer synchronises its stream after writing, before it replies;
 - `event`: the producer records the interprocess CUDA event of the run's first page after writing
-  and the consumer's stream waits on it (events are exported once per page and opened once).
+  and the consumer's stream waits on it. A page's event is made and exported the first time a run
+  starts there, not all at start-up (a few thousand pages for 7B presets), and opened once.
 
 The consumer opens each arena's allocation once per process (opening, and PyTorch's first
 rebuild above all, is costly) and reads runs in place: `open` returns a view
@@ -87,14 +88,17 @@ class CudaArena(ArenaTable):
             event_handle=_bytes(ev_handle),
             event_sync_required=bool(ev_sync),
         )
-        self.events: list[torch.cuda.Event] = []
-        self.event_handles: list[bytes] = []
-        if ready == "event":
-            with torch.cuda.device(device):
-                self.events = [torch.cuda.Event(interprocess=True) for _ in range(n_pages)]
-                for event in self.events:
-                    event.record()  # an event must be recorded once before it has an IPC handle
-                self.event_handles = [bytes(e.ipc_handle()) for e in self.events]
+        self._events: dict[int, tuple[torch.cuda.Event, bytes]] = {}  # first page of a run: event, handle
+
+    def ready_event(self, page: int) -> tuple[torch.cuda.Event, bytes]:
+        """The interprocess event of runs that start at `page`, and its IPC handle, made on first use."""
+        made = self._events.get(page)
+        if made is None:
+            with torch.cuda.device(self.device):
+                event = torch.cuda.Event(interprocess=True)
+                event.record(self.stream)  # an event must be recorded once before it has an IPC handle
+                made = self._events[page] = (event, bytes(event.ipc_handle()))
+        return made
 
     def write(self, tensor: torch.Tensor) -> tuple[Lease, int]:
         """Enqueue a device-to-device copy into a fresh run of pages; `finish` makes it readable."""
@@ -114,7 +118,7 @@ class CudaArena(ArenaTable):
             self.stream.synchronize()
         else:
             for lease in leases:
-                self.events[lease.page].record(self.stream)
+                self.ready_event(lease.page)[0].record(self.stream)
         for lease in leases:
             self.publish(lease)
 
@@ -282,7 +286,7 @@ class CudaIpcTransport(ArenaTransport):
         ref.cuda_ipc.CopyFrom(arena.ipc)
         if arena.ready == "event":
             ref.ready = pb.READY_SIGNAL_CUDA_EVENT
-            ref.ready_event = arena.event_handles[lease.page]
+            ref.ready_event = arena.ready_event(lease.page)[1]
         return ref
 
     def _read(self, view: ArenaView, ref: pb.TensorRef, layout: Layout) -> torch.Tensor:
