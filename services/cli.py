@@ -26,7 +26,7 @@ commands:
   generate    send one image and prompt to a gateway and stream the answer
   bench       open-loop load with the write-ups' workloads, against the mesh and baselines
   serve NAME  run one service: gateway, vision or llm
-  make-tiny-model [--family F] DIR
+  make-tiny-model [--family F] [--stored fp8] DIR
               write a tiny random-weight checkpoint of a model family (for tests and trials)
 
 `vlmesh COMMAND --help` explains each command's options; `vlmesh --version` prints the version.
@@ -76,8 +76,10 @@ def _check_model(argv: list[str], service: str) -> None:
     spec = preflight(model, ("vision",) if service == "vision" else ("text",), tokenizer=service == "llm")
     if service == "llm":
         from services.llm.engines import check_engine
+        from services.model.stored_fp8 import check_quantize
 
         check_engine(_flag_value(argv, "--llm-engine") or "native", spec)
+        check_quantize(spec, _flag_value(argv, "--quantize") or "none")
 
 
 def serve(rest: list[str]) -> int:
@@ -130,7 +132,7 @@ def dispatch(cmd: str, rest: list[str]) -> int:
 
 
 def make_tiny_model(argv: list[str]) -> int:
-    """`vlmesh make-tiny-model [--family F] [--seed N] DIR`: a tiny random checkpoint of a family."""
+    """`vlmesh make-tiny-model [--family F] [--seed N] [--stored fp8] DIR`: a tiny random checkpoint of a family."""
     from services.common.validation import CliParser
     from services.model.family import FAMILY_NAMES
 
@@ -148,10 +150,23 @@ def make_tiny_model(argv: list[str]) -> int:
         type=lambda v: v.replace("-", "_"),
     )
     p.add_argument("--seed", type=int, default=0, help="the random weights' seed (default %(default)s)")
+    p.add_argument(
+        "--stored",
+        default="none",
+        choices=("none", "fp8"),
+        help="how the decoder's projections are stored: none (full precision) or fp8 (compressed-tensors e4m3 "
+        "codes with per-channel scales, as llm-compressor's FP8_DYNAMIC writes; serve with --quantize fp8 on a "
+        "GPU, or none to multiply them out) (default %(default)s)",
+    )
     args = p.parse_args(argv)
     from services.model.family import family_named
 
-    print(family_named(args.family).write_tiny(Path(args.dir), args.seed))
+    out = family_named(args.family).write_tiny(Path(args.dir), args.seed)
+    if args.stored == "fp8":
+        from services.model.stored_fp8 import store_fp8
+
+        store_fp8(out)
+    print(out)
     return 0
 
 

@@ -305,6 +305,30 @@ def hf_model(model_dir, **kwargs):
     return classes[_model_type(model_dir)].from_pretrained(model_dir, **kwargs).eval()
 
 
+def multiplied_out(stored: Path, out: Path) -> Path:
+    """A copy of a checkpoint stored in compressed-tensors fp8 with each projection written back as
+    codes x scales in fp32 and no quantization_config: the full-precision model transformers runs
+    as the fp8 checkpoint's reference (written here, independently of vlmesh's loader)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(stored, out)
+    for shard in out.glob("*.safetensors"):
+        tensors = load_file(shard)
+        plain = {
+            key: t.float() * tensors[key + "_scale"].float() if t.dtype == torch.float8_e4m3fn else t
+            for key, t in tensors.items()
+            if not key.endswith(".weight_scale")
+        }
+        save_file(plain, shard, metadata={"format": "pt"})
+    raw = json.loads((out / "config.json").read_text())
+    del raw["quantization_config"]
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
 def hf_greedy(model_dir, data: bytes | list[bytes], prompt: str, n: int, max_pixels: int | None = None) -> list[int]:
     """transformers' own generate for the checkpoint's family: n greedy tokens after the prompt
     (`max_pixels`: Qwen2.5-VL's processor with that limit)."""

@@ -315,9 +315,13 @@ def _checked_options(argv: Sequence[str]) -> MeshOptions:
         p.error(f"--model {args.model}: not a checkpoint directory (no config.json)")
     from services.common.errors import InvalidArgument
     from services.model.checkpoint import preflight
+    from services.model.stored_fp8 import check_quantize
 
+    variants = parse_variants(options.variants) if options.variants else []
     try:
-        preflight(args.model)  # a bad checkpoint is one line here, not three children failing to start
+        spec = preflight(args.model)  # a bad checkpoint is one line here, not three children failing to start
+        for kind in [v.quantize for v in variants] or [options.llm.native.quantize]:
+            check_quantize(spec, kind)
     except InvalidArgument as err:
         p.error(f"--model: {err.message}")
     return options_from_args(args)

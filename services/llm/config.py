@@ -66,7 +66,9 @@ class NativeEngineConfig:
         help="quantization of the decoder layers at load time, from the same checkpoint: weight-only int8 "
         "(per-channel scales; CPU and CUDA) or int4 (groups of 128 input channels, or 64 or 32 where the widths "
         "ask; CUDA and bf16 only), or fp8 (e4m3 weights with per-channel scales, fp8 GEMMs with per-token "
-        "scales for prompts; bf16 on a GPU of compute capability 8.9+: Ada, Hopper) (default %(default)s)",
+        "scales for prompts; bf16 on a GPU of compute capability 8.9+: Ada, Hopper). A checkpoint stored in fp8 "
+        "(compressed-tensors) keeps its codes with fp8, has them multiplied out with none, and refuses int8 and "
+        "int4 (default %(default)s)",
     )
     prefix_cache: bool = flag(
         "--prefix-cache",

@@ -38,6 +38,7 @@ from services.model.llama import rope_rows, rope_tables
 from services.model.mrope import mrope_columns
 from services.model.quantize import quantize_decoder
 from services.model.spec import ModelSpec
+from services.model.stored_fp8 import check_quantize
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,8 @@ class ModelRunner:
     def _init_model(self) -> None:
         """Weights (quantized where asked), RoPE tables, EOS ids, and the prefill's compiled layer halves."""
         spec, device, dtype = self.spec, self.device, self.dtype
-        self.model = load_decoder(spec, device, dtype)
+        check_quantize(spec, self.cfg.quantize)
+        self.model = load_decoder(spec, device, dtype, keep_fp8=self.cfg.quantize == "fp8")
         quantize_decoder(self.model.layers, self.cfg.quantize, device, dtype)  # "none" leaves it
         self.rope = rope_tables(spec, device, dtype)
         self.mrope = mrope_columns(spec, device)  # None for plain RoPE

@@ -22,6 +22,7 @@ from services.model.files import check_safetensors, weight_files
 from services.model.llama import LlamaDecoder
 from services.model.presets import init_random, is_random
 from services.model.spec import ModelSpec
+from services.model.stored_fp8 import FP8_DTYPE, SERVED, check_scale, is_projection, place, scale_key
 
 # (pattern, replacement): the first match names the decoder's module key.
 _TEXT_KEYS = [
@@ -43,8 +44,8 @@ def canonical_key(key: str, family: Family | None = None) -> tuple[str, str] | N
     return None if text is None else ("text", text)
 
 
-# module key -> (shard, checkpoint key, shape): where one part's weights are, from the headers.
-Found = dict[str, tuple[Path, str, tuple[int, ...]]]
+# module key -> (shard, checkpoint key, shape, safetensors dtype): where one part's weights are, from the headers.
+Found = dict[str, tuple[Path, str, tuple[int, ...], str]]
 
 
 def _find(spec: ModelSpec, part: str) -> Found:
@@ -58,7 +59,8 @@ def _find(spec: ModelSpec, part: str) -> Found:
             for key in f.keys():
                 mapped = canonical_key(key, family)
                 if mapped and mapped[0] == part:
-                    out[mapped[1]] = (shard, key, tuple(f.get_slice(key).get_shape()))
+                    tensor = f.get_slice(key)
+                    out[mapped[1]] = (shard, key, tuple(tensor.get_shape()), tensor.get_dtype())
     return out
 
 
@@ -75,23 +77,34 @@ def _reading(shard: Path):
 
 
 def _check(module: nn.Module, spec: ModelSpec, part: str) -> Found:
-    """The weights `module` needs, each present with the shape the config implies; else one
-    InvalidArgument naming the directory and the missing keys, or the shard, key and both shapes."""
+    """The weights `module` needs, each present with the shape the config implies, and the scales
+    of those stored in fp8; else one InvalidArgument naming the directory and the missing keys, or
+    the shard, key and both shapes."""
     shapes = {key: tuple(t.shape) for key, t in module.state_dict().items()}  # meta tensors: shapes only
     found = _find(spec, part)
     missing = sorted(shapes.keys() - found.keys())
     if missing:
         raise InvalidArgument(f"{spec.model_dir}: {part} weights missing from the checkpoint: {missing[:5]}")
+    needed = {}
     for key, want in shapes.items():
-        shard, name, shape = found[key]
+        shard, name, shape, dtype = needed[key] = found[key]
         if shape != want:
             raise InvalidArgument(f"{shard}: {name} is {shape}, but {spec.model_dir}/config.json implies {want}")
-    return {key: found[key] for key in shapes}
+        if dtype == FP8_DTYPE:
+            if part != "text" or spec.stored_quantization != "fp8" or not is_projection(key):
+                raise InvalidArgument(
+                    f"{shard}: {name} is stored in fp8; vlmesh reads fp8 codes only for the decoder's projections "
+                    f"of a checkpoint whose config.json names {SERVED}"
+                )
+            scale = found.get(scale_key(key))
+            check_scale(shard, name, shape, None if scale is None else scale[2])
+            needed[scale_key(key)] = scale  # type: ignore[assignment]
+    return needed
 
 
 def _read(found: Found) -> dict[str, torch.Tensor]:
     by_shard: dict[Path, list[tuple[str, str]]] = {}
-    for key, (shard, name, _) in found.items():
+    for key, (shard, name, _, _) in found.items():
         by_shard.setdefault(shard, []).append((key, name))
     out = {}
     for shard, keys in by_shard.items():
@@ -100,11 +113,22 @@ def _read(found: Found) -> dict[str, torch.Tensor]:
     return out
 
 
-def _load(module: nn.Module, spec: ModelSpec, part: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def _load(
+    module: nn.Module, spec: ModelSpec, part: str, device: torch.device, dtype: torch.dtype, keep_fp8: bool = False
+) -> nn.Module:
+    """`module` with its weights, on `device` in `dtype`; projections stored in fp8 kept as
+    Fp8Linear with `keep_fp8`, else multiplied out to `dtype` (services/model/stored_fp8.py)."""
     if is_random(spec.model_dir):  # a benchmark preset: no weights on disk
         return init_random(module, device, dtype)
-    module.load_state_dict(_read(_check(module, spec, part)), assign=True)
-    return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    tensors = _read(_check(module, spec, part))
+    codes = [key for key, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
+    stored = {key: (tensors.pop(key), tensors.pop(scale_key(key))) for key in codes}
+    for key in codes:  # a placeholder through the move below, which would cast e4m3 codes to `dtype`
+        module.get_submodule(key.removesuffix(".weight")).weight = nn.Parameter(torch.empty(0), requires_grad=False)
+    module.load_state_dict(tensors, assign=True, strict=not codes)
+    module = module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    place(module, stored, keep_fp8, device, dtype)
+    return module
 
 
 def _tied(spec: ModelSpec) -> bool:
@@ -137,16 +161,19 @@ def load_vision_tower(spec: ModelSpec, device: torch.device, dtype: torch.dtype)
     return tower
 
 
-def load_decoder(spec: ModelSpec, device: torch.device, dtype: torch.dtype, fuse: bool = True) -> LlamaDecoder:
-    """The decoder's weights; with `fuse`, q/k/v and gate/up concatenated as its forward needs."""
-    decoder = _load_decoder(spec, device, dtype)
+def load_decoder(
+    spec: ModelSpec, device: torch.device, dtype: torch.dtype, fuse: bool = True, keep_fp8: bool = False
+) -> LlamaDecoder:
+    """The decoder's weights; with `fuse`, q/k/v and gate/up concatenated as its forward needs. A
+    checkpoint's fp8 projections stay fp8 with `keep_fp8` (`--quantize fp8`), else are multiplied out."""
+    decoder = _load_decoder(spec, device, dtype, keep_fp8)
     if fuse:
         decoder.fuse_projections()
     return decoder
 
 
-def _load_decoder(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> LlamaDecoder:
-    decoder: LlamaDecoder = _load(_meta_module(spec, "text"), spec, "text", device, dtype)  # type: ignore[assignment]
+def _load_decoder(spec: ModelSpec, device: torch.device, dtype: torch.dtype, keep_fp8: bool) -> LlamaDecoder:
+    decoder: LlamaDecoder = _load(_meta_module(spec, "text"), spec, "text", device, dtype, keep_fp8)  # type: ignore[assignment]
     if isinstance(decoder.lm_head, nn.Identity):  # tied: the head is the embedding matrix
         head = nn.Linear(spec.text.hidden, spec.text.vocab, bias=False, device=device, dtype=dtype)
         head.weight = decoder.embed_tokens.weight

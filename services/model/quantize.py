@@ -70,12 +70,15 @@ def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: t
             )
         group = int4_group({m.in_features for m in linears})
     if how == "fp8":
-        check_fp8(device, dtype, linears)
+        check_fp8(device, dtype, [m for m in layers.modules() if isinstance(m, nn.Linear | Fp8Linear)])
         before = weight_bytes(layers)
         _replace(layers, Fp8Linear.of)
+        stored = sum(isinstance(m, Fp8Linear) for m in layers.modules()) - len(linears)
         log.info(
-            "decoder layers quantized to fp8 (e4m3, per-channel scales): %d linears, %.1f -> %.1f MiB of weights",
+            "decoder layers in fp8 (e4m3, per-channel scales): %d quantized here, %d as the checkpoint stores them; "
+            "%.1f -> %.1f MiB of weights",
             len(linears),
+            stored,
             before / 2**20,
             weight_bytes(layers) / 2**20,
         )
@@ -112,7 +115,7 @@ def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: t
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: fp8 tensor cores, and Triton's e4m3 conversions
 
 
-def check_fp8(device: torch.device, dtype: torch.dtype, linears: list[nn.Linear]) -> None:
+def check_fp8(device: torch.device, dtype: torch.dtype, linears: list[nn.Module]) -> None:
     """ValueError naming the device, the dtype or the widths where fp8 cannot run."""
     if device.type != "cuda":
         raise ValueError(

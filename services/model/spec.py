@@ -4,7 +4,7 @@ shape (every family's decoder is Llama-like), and the family's own vision descri
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -93,6 +93,9 @@ class ModelSpec:
     # Pictures take positions by their size: features travel as [rows, cols, H], their grid of
     # tokens (M-RoPE reads it); otherwise as [image_tokens, H].
     image_grid: bool = False
+    # How the decoder's projections are stored: `none` (full precision) or `fp8` (compressed-tensors
+    # e4m3 codes and scales; services/model/stored_fp8.py).
+    stored_quantization: str = "none"
 
 
 def _eos_ids(value: object) -> tuple[int, ...]:
@@ -165,6 +168,7 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
 
     from services.model.family import family_for
     from services.model.presets import resolve_model
+    from services.model.stored_fp8 import stored_quantization
 
     path = Path(resolve_model(str(model_dir)))
     config = path / "config.json"
@@ -176,27 +180,13 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
     except (ValueError, AttributeError):
         raise InvalidArgument(f"{config}: not a JSON object") from None
     family = family_for(model_type, config)
-    check_not_prequantized(raw, config)
+    stored = stored_quantization(raw, config)
     try:
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, TypeError, KeyError) as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise InvalidArgument(f"{config}: transformers cannot read it: {reason}") from None
-    return family.read_spec(path, cfg, model_id(model_dir, path))
-
-
-def check_not_prequantized(raw: dict, config: Path) -> None:
-    """INVALID_ARGUMENT for a checkpoint whose weights are stored quantized (`quantization_config`,
-    as compressed-tensors, AutoAWQ, GPTQ or an fp8 export writes it): its loader would read codes
-    without their scales. vlmesh quantizes a full-precision checkpoint as it loads (--quantize)."""
-    for where, block in (("", raw), ("text_config.", raw.get("text_config") or {})):
-        found = block.get("quantization_config") if isinstance(block, dict) else None
-        if found:
-            how = found.get("quant_method", "?") if isinstance(found, dict) else "?"
-            raise InvalidArgument(
-                f"{config}: {where}quantization_config: its weights are stored quantized ({how}), which vlmesh "
-                "does not load; point --model at the full-precision checkpoint and pass --quantize int8, int4 or fp8"
-            )
+    return replace(family.read_spec(path, cfg, model_id(model_dir, path)), stored_quantization=stored)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -4,6 +4,7 @@ the flag and what it accepts, never a traceback, and `generate` fails before con
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -12,6 +13,7 @@ import sys
 
 import pytest
 
+from services.model.stored_fp8 import store_fp8
 from tests.helpers import ROOT, image_bytes
 
 VLMESH = [sys.executable, "-m", "services.cli"]
@@ -64,6 +66,12 @@ def files(tmp_path_factory, tiny_deepseek_hybrid, tiny_qwen):
     tmp = tmp_path_factory.mktemp("cli")
     deepseek_variants(tmp, tiny_deepseek_hybrid)
     shutil.copytree(tiny_qwen, tmp / "qwen")
+    shutil.copytree(tiny_qwen, tmp / "fp8")
+    store_fp8(tmp / "fp8")
+    shutil.copytree(tiny_qwen, tmp / "awq")
+    config = json.loads((tmp / "awq" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (tmp / "awq" / "config.json").write_text(json.dumps(config))
     (tmp / "pic.png").write_bytes(image_bytes(1))
     (tmp / "pictures").mkdir()
     broken = tmp / "broken-model"
@@ -169,6 +177,24 @@ CASES = {
     "up, DeepSeek-VL without its SAM weights": (
         [*VLMESH, "up", "--model", "{tmp}/no-sam", "--device", "cpu"],
         ["vlmesh up: error: --model: {tmp}/no-sam: vision weights missing from the checkpoint:"],
+    ),
+    "up, a checkpoint stored in fp8, --quantize int8": (
+        [*VLMESH, "up", "--model", "{tmp}/fp8", "--device", "cpu", "--quantize", "int8"],
+        [
+            "vlmesh up: error: {tmp}/fp8: its decoder is stored in fp8 (compressed-tensors); "
+            "--quantize int8 would round those codes again: serve it with --quantize fp8, or none"
+        ],
+    ),
+    "serve llm, a checkpoint stored in fp8, --quantize int4": (
+        [*VLMESH, "serve", "llm", "--model", "{tmp}/fp8", "--quantize", "int4", "--port", "0", "--metrics-port", "-1"],
+        ["vlmesh serve llm: error: {tmp}/fp8: its decoder is stored in fp8 (compressed-tensors); --quantize int4"],
+    ),
+    "serve llm, a checkpoint stored in AWQ": (
+        [*VLMESH, "serve", "llm", "--model", "{tmp}/awq", "--port", "0", "--metrics-port", "-1"],
+        [
+            "vlmesh serve llm: error: {tmp}/awq/config.json: quantization_config.quant_method is 'awq': "
+            "vlmesh loads only compressed-tensors fp8"
+        ],
     ),
     "make-tiny-model, unknown family": (
         [*VLMESH, "make-tiny-model", "--family", "blip", "{tmp}/x"],

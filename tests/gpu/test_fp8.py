@@ -76,3 +76,24 @@ def test_fp8_stays_close_to_bf16_and_stores_a_byte_a_weight():
         assert 0 < err < 0.06, f"{rows} rows: relative error {err}"
     quantize_decoder(layers, "fp8", CUDA, torch.bfloat16)
     assert weight_bytes(layers) / weights < 1.01 and weight_bytes(layers) < 0.51 * bf16_bytes
+
+
+def test_a_checkpoint_stored_in_fp8_runs_its_codes_on_both_paths(tmp_path):
+    """compressed-tensors fp8 loaded with --quantize fp8: the stored codes in Fp8Linear, decode rows
+    (the 1-byte kernel) and prompt rows (_scaled_mm) both close to the codes multiplied out in bf16."""
+    from services.model.checkpoint import load_decoder, preflight
+    from services.model.stored_fp8 import store_fp8
+    from services.model.tiny import build_tiny_llava
+
+    model = build_tiny_llava(tmp_path / "m", seed=0)
+    store_fp8(model)
+    spec = preflight(model)
+    kept = load_decoder(spec, CUDA, torch.bfloat16, keep_fp8=True)
+    quantize_decoder(kept.layers, "fp8", CUDA, torch.bfloat16)  # checks the device; the stored layers stay
+    plain = load_decoder(spec, CUDA, torch.bfloat16)
+    assert isinstance(kept.layers[0].mlp.gate_up_proj, Fp8Linear)
+    for rows in (8, 100):
+        x = torch.randn(rows, spec.text.hidden, device="cuda", dtype=torch.bfloat16)
+        want = plain.layers[0].mlp(x).float()
+        err = ((kept.layers[0].mlp(x).float() - want).norm() / want.norm()).item()
+        assert err < (0.02 if rows <= FP8_KERNEL_ROWS else 0.06), f"{rows} rows: relative error {err}"

@@ -306,3 +306,17 @@ def test_up_refuses_fp8_on_the_cpu_before_any_child_starts(flags, capsys):
         cli._checked_options(["--model", "models/demo", *flags])
     assert exit_.value.code == 2
     assert "fp8 needs a CUDA GPU of compute capability 8.9+" in capsys.readouterr().err
+
+
+def test_up_refuses_a_variant_that_would_round_fp8_codes_twice(tmp_path, capsys):
+    """--variants names int8 beside full on a checkpoint stored in fp8: refused before any child starts."""
+    from services.model.stored_fp8 import store_fp8
+    from services.model.tiny import build_tiny_llava
+
+    model = build_tiny_llava(tmp_path / "fp8", seed=0)
+    store_fp8(model)
+    with pytest.raises(SystemExit) as exit_:
+        cli._checked_options(["--model", str(model), "--device", "cpu", "--variants", "full=70,int8=30"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--model: {model}: its decoder is stored in fp8 (compressed-tensors); --quantize int8 would round" in err

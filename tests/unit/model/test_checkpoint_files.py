@@ -105,21 +105,3 @@ def test_an_unreadable_picture_is_named_without_python_internals(data, reason):
     assert msg.startswith(f"images[0] ({len(data)} bytes) is not a readable image (JPEG, PNG, WebP, ...): ")
     assert reason in msg
     assert "0x" not in msg and "BytesIO" not in msg and "<" not in msg
-
-
-@pytest.mark.parametrize("where", ["top", "text_config"])
-def test_a_checkpoint_stored_quantized_is_refused_naming_the_method(demo_copy, where):
-    import json
-
-    config = demo_copy / "config.json"
-    raw = json.loads(config.read_text())
-    block = raw if where == "top" else raw["text_config"]
-    block["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized"}
-    config.write_text(json.dumps(raw))
-    prefix = "" if where == "top" else "text_config."
-    with pytest.raises(InvalidArgument) as err:
-        load_spec(demo_copy)
-    assert err.value.message == (
-        f"{config}: {prefix}quantization_config: its weights are stored quantized (compressed-tensors), which "
-        "vlmesh does not load; point --model at the full-precision checkpoint and pass --quantize int8, int4 or fp8"
-    )
