@@ -81,6 +81,22 @@ def test_quantize_none_multiplies_the_codes_out_exactly(full, stored, tmp_path):
     assert 0 < err < 0.05
 
 
+def test_the_codes_multiplied_out_equal_compressed_tensors_own_decompression(stored):
+    """The format's own library (through transformers) reads the checkpoint as vlmesh does."""
+    from transformers import CompressedTensorsConfig, LlavaForConditionalGeneration
+
+    theirs = LlavaForConditionalGeneration.from_pretrained(
+        stored, quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.float32
+    ).model.language_model
+    ours = load_decoder(preflight(stored), CPU, torch.float32, fuse=False)
+    compared = 0
+    for name, param in ours.named_parameters():
+        if name.endswith("_proj.weight"):
+            assert torch.equal(param, theirs.get_parameter(name)), name
+            compared += 1
+    assert compared == 7 * len(ours.layers)
+
+
 def test_quantize_fp8_keeps_the_stored_codes_fused_and_their_scales(stored):
     spec = preflight(stored)
     tensors = load_file(stored / SHARD)
