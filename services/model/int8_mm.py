@@ -85,7 +85,7 @@ if triton is not None:
             x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
             # Q's tile transposed, [BLOCK_K, BLOCK_N]: contiguous along K, as stored.
             w_mask = (rn[None, :] < N) & (ks[:, None] < K)
-            w = tl.load(q_ptr + rn[None, :] * stride_qn + ks[:, None], mask=w_mask, other=0)
+            w = tl.load(q_ptr + rn[None, :] * stride_qn + ks[:, None], mask=w_mask, other=0.0)
             acc = tl.dot(x, w.to(x.dtype), acc)
         s = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
         y = acc * s[None, :]
