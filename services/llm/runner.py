@@ -357,7 +357,8 @@ class ModelRunner:
         what the weights and the largest prefill take is what the KV pool must leave free (0 off CUDA)."""
         device, page = self.device, self.page_size
         cuda = device.type == "cuda"
-        if cuda:
+        if cuda:  # what loading freed (a quantized engine's full-precision weights) is not this process's to keep
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         per_seq = min(tokens, self.max_context)
         kv = PagedKvCache(self.spec, device, self.dtype, -(-per_seq // page) + 1, page)

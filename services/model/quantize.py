@@ -100,8 +100,6 @@ def quantize_decoder(layers: nn.Module, how: str, device: torch.device, dtype: t
     quantize_(layers, config)
     _unwrap(layers)
     extra = sum(b.numel() * b.element_size() for b in layers.buffers() if b.dtype == torch.uint8)
-    if device.type == "cuda":  # the unpacking's temporaries, before the KV pool is sized
-        torch.cuda.empty_cache()
     log.info(
         "decoder layers quantized to %s: %d linears, %.1f -> %.1f MiB of weights%s",
         how,
