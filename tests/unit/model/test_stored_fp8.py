@@ -229,3 +229,24 @@ def test_int8_or_int4_would_round_the_codes_twice(stored, quantize, ok):
     with pytest.raises(InvalidArgument) as err:
         check_quantize(spec, quantize)
     assert f"--quantize {quantize} would round those codes again: serve it with --quantize fp8" in err.value.message
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen", "tiny_deepseek_hybrid"])
+def test_other_families_load_their_stored_codes_too(family, request, tmp_path):
+    """Qwen2.5-VL (q/k/v biases, the fused Fp8Linear carries them) and DeepSeek-VL (two towers left
+    in full precision): the codes multiplied out, and kept as stored, against the reference weights."""
+    model = tmp_path / "fp8"
+    shutil.copytree(request.getfixturevalue(family), model)
+    store_fp8(model)
+    spec = preflight(model)
+    plain = load_decoder(preflight(multiplied_out(model, tmp_path / "plain")), CPU, torch.float32)
+    ours = load_decoder(spec, CPU, torch.float32)
+    for name, param in plain.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], param), name
+    kept = load_decoder(spec, CPU, torch.float32, keep_fp8=True)
+    qkv = kept.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Fp8Linear)
+    assert (qkv.bias is not None) == spec.text.qkv_bias
+    x = torch.randn(3, spec.text.hidden)
+    want = plain.layers[0].self_attn.qkv_proj(x)
+    assert torch.allclose(qkv(x), want, rtol=1e-4, atol=1e-5)
