@@ -22,7 +22,15 @@ from services.model.files import check_safetensors, weight_files
 from services.model.llama import LlamaDecoder
 from services.model.presets import init_random, is_random
 from services.model.spec import ModelSpec
-from services.model.stored_fp8 import FP8_DTYPE, SERVED, check_scale, is_projection, place, scale_key
+from services.model.stored_fp8 import (
+    FP8_DTYPE,
+    SERVED,
+    check_fusable,
+    check_scale,
+    is_projection,
+    place,
+    scale_key,
+)
 
 # (pattern, replacement): the first match names the decoder's module key.
 _TEXT_KEYS = [
@@ -99,6 +107,7 @@ def _check(module: nn.Module, spec: ModelSpec, part: str) -> Found:
             scale = found.get(scale_key(key))
             check_scale(shard, name, shape, None if scale is None else scale[2])
             needed[scale_key(key)] = scale  # type: ignore[assignment]
+    check_fusable(needed)
     return needed
 
 

@@ -102,6 +102,29 @@ def check_scale(shard: Path, name: str, weight_shape: tuple[int, ...], scale_sha
         )
 
 
+# Projections the decoder runs as one matmul (services/model/fuse.py): stored alike, or refused.
+_FUSED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+def check_fusable(found: dict[str, tuple[Path, str, tuple[int, ...], str]]) -> None:
+    """InvalidArgument where some of q/k/v (or gate/up) are stored in fp8 and others are not:
+    the decoder fuses them into one projection, stored one way. `found`: module key -> (shard,
+    checkpoint key, shape, safetensors dtype)."""
+    for key, (shard, name, _, dtype) in found.items():
+        for block, parts in _FUSED:
+            first = f".{block}.{parts[0]}.weight"
+            if not key.endswith(first):
+                continue
+            for part in parts[1:]:
+                other = found.get(key.replace(first, f".{block}.{part}.weight"))
+                if other is not None and (other[3] == FP8_DTYPE) != (dtype == FP8_DTYPE):
+                    stored, plain = (name, other[1]) if dtype == FP8_DTYPE else (other[1], name)
+                    raise InvalidArgument(
+                        f"{shard}: {stored} is stored in fp8 but {plain} is not; vlmesh runs "
+                        f"{'/'.join(p.removesuffix('_proj') for p in parts)} as one projection, stored one way"
+                    )
+
+
 @torch.no_grad()
 def place(
     decoder: nn.Module,

@@ -250,3 +250,17 @@ def test_other_families_load_their_stored_codes_too(family, request, tmp_path):
     x = torch.randn(3, spec.text.hidden)
     want = plain.layers[0].self_attn.qkv_proj(x)
     assert torch.allclose(qkv(x), want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_fused_group_stored_half_in_fp8_is_named_before_loading(stored_copy):
+    tensors = load_file(stored_copy / SHARD)
+    key = _text_key("layers.1.self_attn.k_proj.weight")
+    tensors[key] = tensors[key].float() * tensors.pop(key + "_scale")  # k in full precision, q and v in fp8
+    save_file(tensors, stored_copy / SHARD)
+    with pytest.raises(InvalidArgument) as err:
+        preflight(stored_copy)
+    q = _text_key("layers.1.self_attn.q_proj.weight")
+    assert err.value.message == (
+        f"{stored_copy / SHARD}: {q} is stored in fp8 but {key} is not; vlmesh runs q/k/v as one projection, "
+        "stored one way"
+    )
