@@ -65,6 +65,8 @@ def export_text_model(spec: ModelSpec, dtype: torch.dtype, root: Path = Path(".c
     text = spec.hf_config.text_config
     text.architectures = ["MistralForCausalLM" if text.model_type == "mistral" else "LlamaForCausalLM"]
     text.tie_word_embeddings = spec.text.tie_embeddings  # DeepSeek-VL ties at the top of its config
+    if hasattr(text, "quantization_config"):  # stored fp8 codes are multiplied out above: the export is dense
+        del text.quantization_config
     text.torch_dtype = dtype
     text.save_pretrained(out)
     AutoTokenizer.from_pretrained(spec.model_dir, local_files_only=True).save_pretrained(out)

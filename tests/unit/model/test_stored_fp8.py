@@ -264,3 +264,20 @@ def test_a_fused_group_stored_half_in_fp8_is_named_before_loading(stored_copy):
         f"{stored_copy / SHARD}: {q} is stored in fp8 but {key} is not; vlmesh runs q/k/v as one projection, "
         "stored one way"
     )
+
+
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_the_language_model_handed_to_vllm_is_dense(stored_copy, tmp_path, where):
+    """--llm-engine vllm: the decoder vLLM loads holds the codes multiplied out, and its config
+    says nothing of a stored quantization (vLLM would look for e4m3 codes and scales)."""
+    from services.llm.vllm_engine import export_text_model
+
+    if where == "text_config":
+        raw = _config(stored_copy)
+        raw["text_config"]["quantization_config"] = raw.pop("quantization_config")
+        (stored_copy / "config.json").write_text(json.dumps(raw))
+    out = export_text_model(preflight(stored_copy), torch.float32, root=tmp_path / "export")
+    assert "quantization_config" not in _config(out)
+    weights = load_file(out / SHARD)
+    assert weights and all(t.dtype == torch.float32 for t in weights.values())
+    assert not any(k.endswith("_scale") for k in weights)
