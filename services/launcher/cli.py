@@ -252,12 +252,16 @@ def _say(msg: str) -> None:
     print(f"vlmesh up: {msg}", file=sys.stderr, flush=True)
 
 
+def quantize_kinds(options: MeshOptions) -> list[str]:
+    """The --quantize kind of every llm the options start: each variant's, or the one --quantize."""
+    variants = parse_variants(options.variants) if options.variants else []
+    return [v.quantize for v in variants] or [options.llm.native.quantize]
+
+
 def check_fp8_device(options: MeshOptions, p: argparse.ArgumentParser) -> None:
     """fp8 (the llm's or a variant's) on a host whose llm runs on the CPU is refused here, before any
     child starts; a GPU older than compute capability 8.9 is refused by the llm at load, naming it."""
-    variants = parse_variants(options.variants) if options.variants else []
-    kinds = [v.quantize for v in variants] or [options.llm.native.quantize]
-    if "fp8" not in kinds:
+    if "fp8" not in quantize_kinds(options):
         return
     from services.common.config import resolve_device
 
@@ -317,10 +321,9 @@ def _checked_options(argv: Sequence[str]) -> MeshOptions:
     from services.model.checkpoint import preflight
     from services.model.stored_fp8 import check_quantize
 
-    variants = parse_variants(options.variants) if options.variants else []
     try:
         spec = preflight(args.model)  # a bad checkpoint is one line here, not three children failing to start
-        for kind in [v.quantize for v in variants] or [options.llm.native.quantize]:
+        for kind in quantize_kinds(options):
             check_quantize(spec, kind)
     except InvalidArgument as err:
         p.error(f"--model: {err.message}")
