@@ -1,5 +1,6 @@
-"""The int8 weight-only matmul (services/model/int8_mm.py) against bf16 cuBLAS and against
-torchao's dequantize-then-cuBLAS, per decoder shape and row count, on a CUDA GPU.
+"""The 1-byte weight matmul (services/model/int8_mm.py) against bf16 cuBLAS and against
+dequantize-then-cuBLAS, per decoder shape and row count, on a CUDA GPU; `--weight` picks int8
+codes (the int8 variant's) or e4m3 (the fp8 variant's decode rows).
 
 Timed as the engine runs it: a CUDA graph of `--layers` launches over as many distinct weights
 (so none is read from L2), replayed; the time per launch is the replay's over the launches.
@@ -8,7 +9,7 @@ the bytes-read floor of the int8 weight at the copy bandwidth of `--bandwidth` (
 cuBLAS, the dequantizing path, the best config (at one row gemv's one-row kernel too, scaled) and the op as it
 picks (its time includes a copy of the output).
 
-    python -m bench.int8_mm [--model preset:llava-7b-shaped] [--rows 1,8,32,640] [--out int8_mm.json]
+    python -m bench.int8_mm [--model preset:llava-7b-shaped] [--weight int8|fp8] [--rows 1,8,32,640] [--out F]
 """
 
 from __future__ import annotations
@@ -37,13 +38,21 @@ def grid(m: int) -> list[int8_mm.Config]:
     return GRID["decode" if m <= 16 else "mid" if m <= 64 else "prefill"]
 
 
-def sweep(name: str, n: int, k: int, m: int, layers: int) -> dict:
+def codes(n: int, k: int, weight: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random codes [n, k] as the variant stores them, and scales [n] that make unit-scale outputs."""
+    if weight == "fp8":  # e4m3 over its whole range (|q| <= 448), as Fp8Linear scales a channel's max to it
+        q = (torch.randn(n, k, device="cuda", generator=gen) * 112).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return q, torch.rand(n, device="cuda", generator=gen) / (112 * k**0.5)
+    q = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen)
+    return q, torch.rand(n, device="cuda", generator=gen) / (127 * k**0.5)
+
+
+def sweep(name: str, n: int, k: int, m: int, layers: int, weight: str) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
-    qs = [torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8, generator=gen) for _ in range(layers)]
-    ss = [torch.rand(n, device="cuda", generator=gen) / (127 * k**0.5) for _ in range(layers)]
+    qs, ss = zip(*(codes(n, k, weight, gen) for _ in range(layers)), strict=True)
     ws = [(q.float() * s[:, None]).to(torch.bfloat16) for q, s in zip(qs, ss, strict=True)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    ref = [(x.double() @ qs[i].double().T) * ss[i].double() for i in range(2)]
+    ref = [(x.double() @ qs[i].float().double().T) * ss[i].double() for i in range(2)]
     ys = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
     cublas = graph_time(lambda i: F.linear(x, ws[i]), layers)
     dequant = graph_time(lambda i: F.linear(x, qs[i].to(x.dtype)) * ss[i].to(x.dtype), layers)
@@ -73,7 +82,7 @@ def sweep(name: str, n: int, k: int, m: int, layers: int) -> dict:
     print(f"{name} m={m}: cuBLAS bf16 {cublas * 1e6:.1f} us, dequant {dequant * 1e6:.1f}, "
           f"best {timed[best] * 1e6:.1f} {tuple(best)}, picked {picked_s * 1e6:.1f}", flush=True)  # fmt: skip
     return {
-        "linear": name, "n": n, "k": k, "m": m, "int8_MB": n * k / 1e6,
+        "linear": name, "weight": weight, "n": n, "k": k, "m": m, "weight_MB": n * k / 1e6,
         "cublas_bf16_s": cublas, "dequant_s": dequant,
         "best": best._asdict(), "best_s": timed[best], "picked_s": picked_s,
         "top5": [(c._asdict(), timed[c]) for c in sorted(timed, key=timed.get)[:5]],
@@ -83,6 +92,7 @@ def sweep(name: str, n: int, k: int, m: int, layers: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.int8_mm", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="preset:llava-7b-shaped")
+    p.add_argument("--weight", default="int8", choices=("int8", "fp8"), help="the codes: int8, or e4m3 (fp8)")
     p.add_argument("--rows", default="1,8,32,640", help="row counts (batch sizes, or a prefill's tokens)")
     p.add_argument("--layers", type=int, default=16, help="launches (distinct weights) per graph")
     p.add_argument("--bandwidth", type=float, default=4.24, help="copy bandwidth for the floor, TB/s")
@@ -91,17 +101,19 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("python -m bench.int8_mm needs a CUDA GPU")
     rows = [int(r) for r in args.rows.split(",")]
-    results = [sweep(name, n, k, m, args.layers) for m in rows for name, (n, k) in shapes(args.model).items()]
+    linears = shapes(args.model).items()
+    results = [sweep(name, n, k, m, args.layers, args.weight) for m in rows for name, (n, k) in linears]
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
+    w = args.weight
     print(
-        "\n| rows | linear | int8 floor us | bf16 cuBLAS us | dequant + cuBLAS us | int8 best us (x floor) "
+        f"\n| rows | linear | {w} floor us | bf16 cuBLAS us | dequant + cuBLAS us | {w} best us (x floor) "
         "| best (m, n, k, warps, stages) | picked us |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
-        floor = r["int8_MB"] / args.bandwidth  # MB / (TB/s) = us
+        floor = r["weight_MB"] / args.bandwidth  # MB / (TB/s) = us
         b = r["best_s"] * 1e6
         c, d = r["cublas_bf16_s"] * 1e6, r["dequant_s"] * 1e6
         print(f"| {r['m']} | {r['linear']} | {floor:.1f} | {c:.1f} | {d:.1f} | {b:.1f} ({b / floor:.2f}) "
