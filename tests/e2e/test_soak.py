@@ -28,9 +28,10 @@ Even so the vision's private memory swings between about 271 and 284 MiB from on
 next (a batch's tensors, glibc's heap growing and trimmed), and CI's host saw a 100-second trend of
 +1.13% once, where a 300-second run here put no 100-second window past +0.33% (docs/perf/
 2026-12-06-cpu-soak-sequential.md). So the soak is a sequential test (`--extend-to`): past the bound
-two minutes after the warm-up, the load goes on to five and the whole series is judged again
-against the same 1%.
-A leak's rise only grows with the window; the trend's noise shrinks with it."""
+two minutes after the warm-up, the load goes on to five and the two fresh minutes alone are judged
+against the same 1%. A leak rises in them too; a step the held heap took once does not: a clean
+clone of `a296e3d` failed with the llm flat at 304-306 MiB, a step to 309-313 at 110 s, flat
+again after (+2.04% over 60-180 s, +1.04% over 60-300 s, -0.03% over 180-300 s)."""
 
 from __future__ import annotations
 
