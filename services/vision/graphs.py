@@ -5,8 +5,12 @@ the launching, not the GPU's arithmetic, sets the vision stage's time (docs/PERF
 a batch is one replay.
 
 Before capturing, the function that runs a layer is compiled (torch.compile, reused by every
-layer of a kind and every batch bucket, as the llm's prefill layer halves are): it fuses the
-layer norms, residual adds and activations, which eager runs as separate kernels.
+layer of a kind): it fuses the layer norms, residual adds and activations, which eager runs as
+separate kernels. Compiled with static shapes, one graph per layer kind and bucket: dynamo's
+automatic dynamic shapes made every size symbolic as soon as a second shape came (a second
+bucket; SAM's windowed and global layers and SigLIP's share the function, so the hybrid's
+towers ran with symbolic batch, sides and width), and the fused kernels then index by
+division with sizes known only at run time.
 
 A batch of n images is copied into the first n rows of the static inputs, the smallest captured
 bucket b >= n replays (rows n..b hold whatever they held: an image's features depend on its
@@ -67,9 +71,11 @@ class GraphedTower:
     def capture(self) -> GraphedTower | None:
         """Compile a layer, capture every bucket (services/common/buckets.py); on failure log it and
         return None (eager)."""
+        kinds = 3  # the most layer shapes a tower has per batch (the hybrid: SigLIP, SAM windowed, SAM global)
         try:
-            self._run_layer = torch.compile(run_layer)
-            self._graphs = capture_graphs(self.buckets, self._forward, "vision tower, batch")
+            self._run_layer = torch.compile(run_layer, dynamic=False)
+            with torch._dynamo.config.patch(recompile_limit=kinds * len(self.buckets)):
+                self._graphs = capture_graphs(self.buckets, self._forward, "vision tower, batch")
         except Exception:
             log.exception("the vision tower could not be captured in CUDA graphs: it runs eagerly")
             return None
