@@ -215,13 +215,17 @@ def profile(runner: ModelRunner, batch: int, context: int, rows: int = 15) -> st
 
     pages = BlockManager(runner.n_pages, runner.page_size)
     seqs = [admitted(pages, context - 1, 1) for _ in range(batch)]
-    for _ in range(3):
+
+    def step() -> None:
+        for s in seqs:
+            s.computed = context - 1  # the same positions each step, as time_batch runs them
         runner.step([], seqs)
+
+    for _ in range(3):
+        step()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
-            for s in seqs:
-                s.computed = context - 1
-            runner.step([], seqs)
+            step()
     return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows)
 
 

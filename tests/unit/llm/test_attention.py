@@ -39,15 +39,18 @@ ROWS = [[5, 3, 17], [1], [9, 2, 11, 4, 20], [7, 8]]
 POSITIONS = [19, 0, 39, 8]
 
 
+# Query heads per KV head: as Llama's MHA, a power of two, and Qwen2.5-VL-7B's 7 (28 / 4), which
+# flex's GQA takes only in its prefill kernel; FlexDecode passes the group as query rows instead.
+@pytest.mark.parametrize("heads", [G, H, 7 * G], ids=["mha", "group2", "group7"])
 @pytest.mark.parametrize("impl", ["gather", "flex"])
-def test_decode_attention_reads_exactly_each_sequences_pages(impl):
+def test_decode_attention_reads_exactly_each_sequences_pages(impl, heads):
     k_pool, v_pool = pool()
-    q = torch.randn(len(ROWS), H, D)
+    q = torch.randn(len(ROWS), heads, D)
     positions, tables = torch.tensor(POSITIONS), tables_for(ROWS)
     if impl == "flex":
-        attn = FlexDecode(PAGE, H, G, N_PAGES, max_batch=8, device=torch.device("cpu"))  # compiled for the CPU
+        attn = FlexDecode(PAGE, heads, G, N_PAGES, max_batch=8, device=torch.device("cpu"))  # compiled for the CPU
     else:
-        attn = GatherDecode(PAGE, H, G)
+        attn = GatherDecode(PAGE, heads, G)
     attn.prepare(positions, tables, max_len=max(POSITIONS) + 1)
     out = attn(q, k_pool, v_pool)
     want = torch.stack([reference(q[i], k_pool, v_pool, ROWS[i], POSITIONS[i]) for i in range(len(ROWS))])
