@@ -38,21 +38,37 @@ class Config(NamedTuple):
     stages: int
 
 
-# One row and at most 8192 output channels (o, down): gemv's streaming kernel, scaled, with
-# 8 channels a program (512 programs for 4096) beats any tensor-core tile; wider ones keep the
-# 16-row tile, which beats it there (docs/PERF.md).
+# One row: gemv's streaming kernel, scaled, with 8 channels a program (512 programs for 4096).
+# int8: it beats any tensor-core tile up to 8192 output channels (o, down), the 16-row tile
+# beats it on wider ones. e4m3: it wins on every 7B shape, the widest (gate/up) with shorter
+# loads (docs/PERF.md).
 ONE_ROW = gemv.Config(8, 1024, 4, 4)
+ONE_ROW_FP8 = gemv.Config(8, 1024, 4, 3)
+ONE_ROW_FP8_WIDE = gemv.Config(8, 512, 4, 3)
 
 
-def pick(m: int, n: int) -> Config:
-    """The tile for x [m, K] times Q [n, K]^T (m > 1: one row goes to gemv's kernel).
+def one_row(n: int, fp8: bool) -> gemv.Config | None:
+    """gemv's config for one row times Q [n, K]^T, or None where the 16-row tile serves it better."""
+    if fp8:
+        return ONE_ROW_FP8_WIDE if n > 16384 else ONE_ROW_FP8
+    return ONE_ROW if n <= 8192 else None
 
-    From `python -m bench.int8_mm` (docs/PERF.md), the 7B shapes. Decode-sized rows
-    are bound by reading Q: narrow tiles of output channels, so that even 4096 channels make
+
+def pick(m: int, n: int, fp8: bool = False) -> Config:
+    """The tile for x [m, K] times Q [n, K]^T (m > 1; one row: `one_row`), Q int8 or e4m3.
+
+    From `python -m bench.int8_mm [--weight fp8]` (docs/PERF.md), the 7B shapes. Decode-sized
+    rows are bound by reading Q: narrow tiles of output channels, so that even 4096 channels make
     128 programs, and long loads along K; the widest (gate/up) twice the channels. Prefill-sized
     rows are bound by compute: square tiles that reuse each loaded tile of Q across 128 rows.
+    e4m3's best decode tiles differ (H100): longer loads for the narrow shapes at 16 rows,
+    shorter ones and q/k/v's 12288 channels in 64s at 32.
     """
     wide = n > 16384
+    if fp8 and m <= 16:
+        return Config(16, 64, 128, 8, 4) if wide else Config(16, 32, 512 if n <= 8192 else 256, 4, 4)
+    if fp8 and m <= 32:
+        return Config(32, 64 if n > 8192 else 32, 128, 4, 4)
     if m <= 16:
         return Config(16, 64 if wide else 32, 256, 4, 4)
     if m <= 64:
@@ -112,10 +128,12 @@ def _byte_weight_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> to
     made at run time, not guarded on in a compiled graph."""
     x = x.contiguous()
     y = torch.empty(x.shape[0], q.shape[0], device=x.device, dtype=x.dtype)
-    if x.shape[0] == 1 and q.shape[0] <= 8192:  # see ONE_ROW
-        gemv.launch(x, q, y, ONE_ROW, scale=s)
+    fp8 = q.dtype == torch.float8_e4m3fn
+    row = one_row(q.shape[0], fp8) if x.shape[0] == 1 else None
+    if row is not None:
+        gemv.launch(x, q, y, row, scale=s)
     elif x.shape[0]:
-        launch(x, q, s, y, pick(x.shape[0], q.shape[0]))
+        launch(x, q, s, y, pick(x.shape[0], q.shape[0], fp8))
     return y
 
 
