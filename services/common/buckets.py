@@ -19,7 +19,9 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
-def capture_graphs(sizes: Iterable, run: Callable, what: str, stream=None) -> dict:
+def capture_graphs(
+    sizes: Iterable, run: Callable, what: str, stream=None, pool=None, error_mode: str = "global"
+) -> dict:
     """{size: torch.cuda.CUDAGraph} of `run(size)`, largest first, all in one memory pool.
 
     A size is a batch, or any key that sorts (the packed step's (rows, decode rows)).
@@ -28,12 +30,15 @@ def capture_graphs(sizes: Iterable, run: Callable, what: str, stream=None) -> di
     as CUDA graph capture needs. `run` must read and write only static buffers, with no host
     syncs. Raises what compiling or capturing raised.
 
-    `stream`: capture on it (default: a side stream of the current device).
+    `stream`: capture on it (default: a side stream of the current device). `pool`: a
+    `torch.cuda.graph_pool_handle()` that earlier captures used too (default: a new one).
+    `error_mode`: torch.cuda.graph's capture_error_mode; "thread_local" where other threads may
+    use the device during the capture (a capture while serving).
     """
     import torch  # here: services/common is imported by the launcher, which loads no torch
 
     start = time.perf_counter()
-    pool, stream = torch.cuda.graph_pool_handle(), stream or torch.cuda.Stream()
+    pool, stream = pool or torch.cuda.graph_pool_handle(), stream or torch.cuda.Stream()
     graphs = {}
     for size in sorted(sizes, reverse=True):
         stream.wait_stream(torch.cuda.current_stream())
@@ -42,7 +47,7 @@ def capture_graphs(sizes: Iterable, run: Callable, what: str, stream=None) -> di
                 run(size)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=error_mode):
             run(size)
         graphs[size] = graph
         log.info("%s captured for %s (%.1f s so far)", what, size, time.perf_counter() - start)

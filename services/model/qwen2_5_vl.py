@@ -212,6 +212,7 @@ class Segments:
     bounds: tuple[int, ...]  # [cu[i], cu[i+1]) is segment i
     index: torch.Tensor  # [S, L] long: segment i's tokens, padded (with its last) to the longest, L
     valid: torch.Tensor  # [S, L] bool: which of them are its own
+    rows: torch.Tensor  # [N] long: where each token sits in the flattened [S * L] (valid's places)
 
     @classmethod
     def of(cls, bounds: Sequence[int]) -> Segments:
@@ -220,10 +221,10 @@ class Segments:
         span = torch.arange(int(lengths.max()))
         valid = span[None] < lengths[:, None]
         index = torch.minimum(cu[:-1, None] + span[None], cu[1:, None] - 1)
-        return cls(tuple(bounds), index, valid)
+        return cls(tuple(bounds), index, valid, valid.flatten().nonzero()[:, 0])
 
     def on(self, device: torch.device) -> Segments:
-        return Segments(self.bounds, self.index.to(device), self.valid.to(device))
+        return Segments(self.bounds, self.index.to(device), self.valid.to(device), self.rows.to(device))
 
 
 # Up to this many segments run one SDPA each; more (the windows) run as one padded batch, keys
@@ -242,7 +243,9 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segm
         return torch.cat(out)
     qs, ks, vs = (t[seg.index].transpose(1, 2) for t in (q, k, v))  # [S, heads, L, hd]
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.valid[:, None, None, :])
-    return o.transpose(1, 2)[seg.valid]  # the segments' own rows, in order: [N, heads, hd]
+    # The segments' own rows, in order: [N, heads, hd]. A gather by index, not a boolean mask,
+    # whose size the host would wait for (the tower runs in CUDA graphs).
+    return o.transpose(1, 2).flatten(0, 1)[seg.rows]
 
 
 class VisionAttention(nn.Module):
@@ -297,6 +300,23 @@ class Layout:
     windows: Segments  # the windowed layers' segments, in window order
     pictures: Segments  # the full-attention layers' (one a picture)
 
+    @property
+    def n(self) -> int:
+        return self.rows_cols.shape[0]
+
+
+@dataclass(frozen=True)
+class DeviceLayout:
+    """A layout's tensors on the tower's device, and the rotary angles it gives: all a forward
+    reads besides the patches, made before it runs (a CUDA graph replays these same tensors)."""
+
+    order: torch.Tensor  # [N / m^2]: window_index
+    inverse: torch.Tensor  # [N / m^2]: back to picture order
+    cos: torch.Tensor  # [N, hd] float32, in window order
+    sin: torch.Tensor
+    windows: Segments
+    pictures: Segments
+
 
 @lru_cache(maxsize=256)
 def layout(grids: tuple[tuple[int, int, int], ...], merge: int, window: int) -> Layout:
@@ -342,33 +362,41 @@ class QwenVisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(vc) for _ in range(vc.depth))
         self.merger = PatchMerger(vc.out_hidden_size, vc.hidden_size, vc.spatial_merge_size)
 
-    def forward(self, patches: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-        grids = tuple(tuple(g) for g in grid.tolist())
-        lay = layout(grids, self.merge, self.window)
-        unit = self.merge * self.merge
-        order = lay.window_index.to(patches.device)
-        x = self.patch_embed(patches)  # [N, D]
-        n = x.shape[0]
-        x = x.view(n // unit, unit, -1)[order].reshape(n, -1)  # windows contiguous
+    def device_layout(self, grid: torch.Tensor, device: torch.device) -> DeviceLayout:
+        """What `forward` reads for pictures of these grids [n, 3] (host), made on `device`."""
+        lay = layout(tuple(tuple(g) for g in grid.tolist()), self.merge, self.window)
+        unit, n = self.merge * self.merge, lay.n
+        order = lay.window_index.to(device)
         # Computed here, not a buffer: the loader builds the module on meta and fills only weights.
-        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.spatial, 2, device=x.device).float() / self.spatial)
-        freqs = lay.rows_cols.to(patches.device)[..., None].float() * inv_freq  # [N, 2, hd/4]
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.spatial, 2, device=device).float() / self.spatial)
+        freqs = lay.rows_cols.to(device)[..., None].float() * inv_freq  # [N, 2, hd/4]
         freqs = freqs.flatten(1).view(n // unit, unit, -1)[order].reshape(n, -1)  # [N, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        windows, pictures = lay.windows.on(x.device), lay.pictures.on(x.device)
+        inverse = torch.argsort(lay.window_index).to(device)
+        return DeviceLayout(order, inverse, emb.cos(), emb.sin(), lay.windows.on(device), lay.pictures.on(device))
+
+    def forward(self, patches: torch.Tensor, grid: torch.Tensor, lay: DeviceLayout | None = None) -> torch.Tensor:
+        """`lay`: `device_layout(grid, ...)`, made beforehand (a CUDA graph's), else made here."""
+        lay = lay or self.device_layout(grid, patches.device)
+        unit = self.merge * self.merge
+        x = self.patch_embed(patches)  # [N, D]
+        n = x.shape[0]
+        x = x.view(n // unit, unit, -1)[lay.order].reshape(n, -1)  # windows contiguous
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, pictures if i in self.full else windows)
-        return self.merger(x)[torch.argsort(order)]  # back to picture order
+            x = block(x, lay.cos, lay.sin, lay.pictures if i in self.full else lay.windows)
+        return self.merger(x)[lay.inverse]  # back to picture order
 
     def input_shapes(self) -> None:
         return None
 
     def pictures(self, patches: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
         """The tokens of each picture as its grid [rows, cols, H] (what the mesh hands on)."""
-        out = self(patches, grid)
+        return self.split(self(patches, grid), grid)
+
+    def split(self, tokens: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
+        """The tower's output [N / m^2, H] for pictures of these grids -> one [rows, cols, H] each."""
         shapes = [(t * h // self.merge, w // self.merge) for t, h, w in grid.tolist()]
-        return [x.view(r, c, -1) for x, (r, c) in zip(out.split([r * c for r, c in shapes]), shapes, strict=True)]
+        return [x.view(r, c, -1) for x, (r, c) in zip(tokens.split([r * c for r, c in shapes]), shapes, strict=True)]
 
 
 # --- the family ------------------------------------------------------------------------------

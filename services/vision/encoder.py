@@ -14,7 +14,7 @@ from services.model.checkpoint import load_vision_tower
 from services.model.family import family_of
 from services.model.preprocess import decode_image
 from services.model.spec import ModelSpec, resolve_dtype
-from services.vision.graphs import GraphedTower
+from services.vision.graphs import GraphedTower, GridGraphs
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,19 @@ class VisionEncoder:
         resize_on = self.device if gpu_resize and self.device.type == "cuda" else None
         self.processor = family_of(spec).image_processor(spec, resize_on)
         self.graphed: GraphedTower | None = None
-        if graphs_up_to and self.device.type == "cuda" and not spec.image_grid:  # pictures of one shape only
-            shapes = self.tower.input_shapes()  # type: ignore[operator]
-            out = (spec.image_tokens, spec.text.hidden)
-            self.graphed = GraphedTower(self.tower, graphs_up_to, shapes, out, self.dtype).capture()
+        self.grid_graphs: GridGraphs | None = None  # pictures that take tokens by their size
+        if graphs_up_to and self.device.type == "cuda":
+            if spec.image_grid:
+                self.grid_graphs = GridGraphs(self.tower)
+            else:
+                shapes = self.tower.input_shapes()  # type: ignore[operator]
+                out = (spec.image_tokens, spec.text.hidden)
+                self.graphed = GraphedTower(self.tower, graphs_up_to, shapes, out, self.dtype).capture()
+        runs = "eager"
+        if self.grid_graphs is not None:
+            runs = "in a CUDA graph per picture grid, each captured when its grid first comes"
+        elif self.graphed is not None:
+            runs = f"in CUDA graphs for batches {self.graphed.buckets}"
         log.info(
             "vision tower loaded: %s, %d image tokens x %d, %s on %s, %s, pictures resized %s",
             spec.family,
@@ -50,7 +59,7 @@ class VisionEncoder:
             spec.text.hidden,
             self.dtype,
             self.device,
-            "eager" if self.graphed is None else f"in CUDA graphs for batches {self.graphed.buckets}",
+            runs,
             "by Pillow" if self.processor.resize_on is None else f"on {self.device}",
         )
 
@@ -87,7 +96,8 @@ class VisionEncoder:
         inputs = self.processor.tower_inputs(batch, self.device)  # [B, 3, S, S] per input, or patches and grids
         x = [p.to(self.dtype) if p.is_floating_point() else p for p in inputs]
         if self.spec.image_grid:
-            return self.tower.pictures(*x)  # type: ignore[operator]
+            graphs = self.grid_graphs
+            return self.tower.pictures(*x) if graphs is None else graphs.pictures(*x)  # type: ignore[operator]
         if self.graphed is not None and len(batch) <= self.graphed.max_batch:
             return self.graphed(*x)
         return self.tower(*x)

@@ -1,4 +1,5 @@
-"""The vision tower (the family's ViT(s) + projector) in CUDA graphs, one per batch bucket.
+"""The vision tower (the family's ViT(s) + projector) in CUDA graphs: one per batch bucket
+(`GraphedTower`), or, where pictures take tokens by their size, one per picture grid (`GridGraphs`).
 
 Eager, the tower launches some fifteen kernels per ViT layer from Python, and for one image
 the launching, not the GPU's arithmetic, sets the vision stage's time (docs/PERF.md). Captured,
@@ -21,6 +22,7 @@ batch overwrites them. Off CUDA the same runs eagerly over the same buffers (the
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -80,3 +82,73 @@ class GraphedTower:
             log.exception("the vision tower could not be captured in CUDA graphs: it runs eagerly")
             return None
         return self
+
+
+# A grid's graph holds its input, output and layout (some 25 MB for a 1280x720 picture of
+# Qwen2.5-VL-7B); its activations share one pool. Grids past this many run eagerly.
+MAX_GRID_GRAPHS = 32
+
+
+@dataclass
+class _GridGraph:
+    graph: torch.cuda.CUDAGraph
+    patches: torch.Tensor  # [N, P]: the static input
+    tokens: torch.Tensor  # [N / m^2, H]: the static output
+    layout: object  # the tower's device layout, which the graph reads: kept alive with it
+
+
+class GridGraphs:
+    """A tower whose pictures take tokens by their size (Qwen2.5-VL) in a CUDA graph per picture grid.
+
+    Eager, such a tower launches some fifty kernels a layer from Python: 57 ms for one 224x224
+    picture of Qwen2.5-VL-7B on an H100, the vision stage's whole time (docs/PERF.md). A
+    picture's grid (t, h, w in patches) fixes every shape and its windows, so one graph per grid
+    replays the picture; a batch replays one per picture. A grid's graph is captured the first
+    time the grid comes (some three eager runs' time, once), up to MAX_GRID_GRAPHS, all in one
+    memory pool and replayed one at a time (the vision's one encoding thread). Other grids, and
+    a grid whose capture failed (logged), run eagerly.
+    """
+
+    def __init__(self, tower: nn.Module, max_graphs: int = MAX_GRID_GRAPHS) -> None:
+        weight = next(tower.parameters())
+        self.tower, self.max_graphs, self.device, self.dtype = tower, max_graphs, weight.device, weight.dtype
+        self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        self._graphs: dict[tuple[int, ...], _GridGraph | None] = {}  # None: runs eagerly
+
+    @torch.inference_mode()
+    def pictures(self, patches: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
+        """`tower.pictures`: packed patches [N, P] of pictures with grids [n, 3] (host) -> one
+        [rows, cols, H] each, in their own memory."""
+        out, at = [], 0
+        for i, (t, h, w) in enumerate(grid.tolist()):
+            one = grid[i : i + 1]
+            x, at = patches[at : at + t * h * w], at + t * h * w
+            out += self.tower.split(self._tokens(x, one, (t, h, w)), one)
+        return out
+
+    def _tokens(self, x: torch.Tensor, grid: torch.Tensor, key: tuple[int, ...]) -> torch.Tensor:
+        if key not in self._graphs and len(self._graphs) < self.max_graphs:
+            self._graphs[key] = self._capture(x, grid, key)
+        entry = self._graphs.get(key)
+        if entry is None:
+            return self.tower(x, grid)
+        entry.patches.copy_(x)
+        entry.graph.replay()
+        return entry.tokens.clone()
+
+    def _capture(self, x: torch.Tensor, grid: torch.Tensor, key: tuple[int, ...]) -> _GridGraph | None:
+        try:
+            layout = self.tower.device_layout(grid, self.device)
+            patches = x.clone()
+            out = {}
+
+            def run(_) -> None:
+                out["tokens"] = self.tower(patches, grid, layout)
+
+            graph = capture_graphs(
+                [key], run, "vision tower, grid", self._stream, self._pool, error_mode="thread_local"
+            )[key]
+            return _GridGraph(graph, patches, out["tokens"], layout)
+        except Exception:
+            log.exception("the vision tower could not be captured for grid %s: pictures of it run eagerly", key)
+            return None

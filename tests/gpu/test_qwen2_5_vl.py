@@ -66,3 +66,23 @@ def test_the_tower_on_cuda_gives_transformers_image_features_fp32(cut_qwen, exac
     for g, w, (_, h, wd) in zip(got, want, inputs["image_grid_thw"].tolist(), strict=True):
         assert g.shape == (h // 2, wd // 2, w.shape[-1])
         torch.testing.assert_close(g.flatten(0, 1), w, atol=1e-4, rtol=1e-4)
+
+
+def test_the_tower_in_a_graph_per_grid_equals_it_eager_fp32(cut_qwen, exact_fp32):
+    """Each picture's grid captured on first sight (services/vision/graphs.py GridGraphs), replayed
+    after: the same features as the eager tower, a batch with a grid twice and a second batch too."""
+    from services.model.spec import load_spec
+    from services.vision.encoder import VisionEncoder
+
+    spec = load_spec(cut_qwen)
+    eager = VisionEncoder(spec, "cuda", "float32")
+    graphed = VisionEncoder(spec, "cuda", "float32", graphs_up_to=4)
+    assert graphed.grid_graphs is not None
+    batches = [[data for data, _ in CASES[:3]] + [CASES[0][0]], [CASES[3][0], CASES[1][0]]]
+    for batch in batches:
+        pixels = [eager.pixels(data) for data in batch]
+        want, got = eager.encode(pixels), graphed.encode(pixels)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    captured = {k for k, v in graphed.grid_graphs._graphs.items() if v is not None}
+    assert len(captured) == len(CASES), captured  # one graph per distinct grid, every one captured
