@@ -110,9 +110,9 @@ class GridGraphs:
     """
 
     def __init__(self, tower: nn.Module, max_graphs: int = MAX_GRID_GRAPHS) -> None:
-        weight = next(tower.parameters())
-        self.tower, self.max_graphs, self.device, self.dtype = tower, max_graphs, weight.device, weight.dtype
-        self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        self.tower, self.max_graphs = tower, max_graphs
+        self.device = next(tower.parameters()).device
+        self._pool = self._stream = None  # made at the first capture
         self._graphs: dict[tuple[int, ...], _GridGraph | None] = {}  # None: runs eagerly
 
     @torch.inference_mode()
@@ -138,12 +138,17 @@ class GridGraphs:
 
     def _capture(self, x: torch.Tensor, grid: torch.Tensor, key: tuple[int, ...]) -> _GridGraph | None:
         try:
+            if self._pool is None:
+                self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
             layout = self.tower.device_layout(grid, self.device)
             patches = x.clone()
             out = {}
 
             def run(_) -> None:
-                out["tokens"] = self.tower(patches, grid, layout)
+                tokens = self.tower(patches, grid, layout)
+                if "tokens" not in out:  # the first warm-up run, outside the capture
+                    out["tokens"] = torch.empty_like(tokens)
+                out["tokens"].copy_(tokens)
 
             graph = capture_graphs(
                 [key], run, "vision tower, grid", self._stream, self._pool, error_mode="thread_local"

@@ -1,7 +1,7 @@
 """The graphed vision tower's buffers and buckets, run eagerly on the CPU (CUDA replays the same
 forward from graphs): each image's features equal the tower's own, whatever the batch and its
 padding, and a result keeps its values after the next batch reuses the static output. For every
-family: LLaVA's one input, DeepSeek-VL hybrid's two."""
+family: LLaVA's one input, DeepSeek-VL hybrid's two; Qwen2.5-VL's graphs per picture grid."""
 
 from __future__ import annotations
 
@@ -30,3 +30,45 @@ def test_graphed_tower_equals_the_tower_for_every_batch(model, request):
     torch.testing.assert_close(got[1], want[3:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[2], want[1:3], atol=1e-5, rtol=1e-5)
     assert got[0].data_ptr() != graphed.output.data_ptr()  # its own memory: later batches leave it alone
+
+
+def test_grid_graphs_give_each_picture_its_towers_tokens(tiny_qwen, monkeypatch):
+    """GridGraphs' bookkeeping on the CPU, a capture that replays by running the same function
+    (CUDA replays what it captured of it): one graph per grid, pictures split and in order, a grid
+    past the cap and a grid whose capture failed run eagerly, and every picture gets the tokens
+    the tower gives it."""
+    import types
+
+    from services.model.qwen2_5_vl import QwenImageConfig, QwenProcessor
+    from services.vision import graphs
+
+    captured = []
+
+    def capture(sizes, run, what, stream=None, pool=None, error_mode="global"):
+        (key,) = sizes
+        if key == (1, 4, 8):
+            raise RuntimeError("capture failed")
+        captured.append(key)
+        run(key)
+        return {key: types.SimpleNamespace(replay=lambda: run(key))}
+
+    monkeypatch.setattr(graphs, "capture_graphs", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
+    spec = load_spec(tiny_qwen)
+    tower = load_vision_tower(spec, torch.device("cpu"), torch.float32)
+    proc = QwenProcessor(QwenImageConfig.load(tiny_qwen))
+    gen = torch.Generator().manual_seed(0)
+    sizes = [(56, 56), (56, 112), (56, 56), (112, 56), (84, 168)]  # (h, w): grids 4x4, 4x8, 4x4, 8x4, 6x12
+    pixels = [(torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8),) for h, w in sizes]
+    patches, grid = proc.tower_inputs(pixels, torch.device("cpu"))
+    grided = graphs.GridGraphs(tower, max_graphs=3)
+    with torch.inference_mode():
+        want = tower.pictures(patches, grid)
+        for _ in range(2):  # captured, then replayed
+            got = grided.pictures(patches, grid)
+            assert len(got) == len(want)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert captured == [(1, 4, 4), (1, 8, 4)]  # 4x8 failed (eager), 6x12 past the cap of 3 (eager)
+    assert set(grided._graphs) == {(1, 4, 4), (1, 4, 8), (1, 8, 4)} and grided._graphs[(1, 4, 8)] is None
