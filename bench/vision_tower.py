@@ -6,7 +6,8 @@ on one JPEG of `--picture` size as a preprocessing thread runs it (CPU), and `en
 servicer calls it (uint8 pixels uploaded, resized if left to the GPU, normalised, the replay,
 the features cloned out), wall time to a sync; p50 of `--steps` after 5 warm-ups. `--profile`
 adds torch.profiler's kernel table for 10 replays of one image. A tower whose pictures take
-tokens by their size (Qwen2.5-VL) runs eagerly: its replay column is empty, `encode()` times it.
+tokens by their size (Qwen2.5-VL) runs a graph per picture grid: its replay column is `--batches`
+pictures of `--picture` replayed one after another, and `--eager` times it without graphs too.
 
     python -m bench.vision_tower [--model preset:llava-7b-shaped] [--batches 1,2,4,8] [--profile]
 """
@@ -17,6 +18,7 @@ import argparse
 import io
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -37,16 +39,25 @@ def jpeg(width: int, height: int) -> bytes:
     return buf.getvalue()
 
 
-def time_replay(enc: VisionEncoder, b: int, steps: int) -> float:
+def replay_inputs(enc: VisionEncoder, data: bytes, b: int) -> tuple[Callable, tuple]:
+    """The graphed tower and its inputs for `b` pictures: a batch of zeros for a bucketed tower, or
+    `b` of this picture's patches for a tower graphed per grid."""
+    if enc.grid_graphs is not None:
+        inputs = enc.processor.tower_inputs([enc.pixels(data)] * b, torch.device("cuda"))
+        return enc.grid_graphs.pictures, (inputs[0].to(enc.dtype), inputs[1])
+    return enc.graphed, tuple(torch.zeros(b, *s, device="cuda", dtype=enc.dtype) for s in enc.tower.input_shapes())
+
+
+def time_replay(enc: VisionEncoder, data: bytes, b: int, steps: int) -> float:
     """The captured tower alone: ms on the device, p50 over `steps`."""
-    x = [torch.zeros(b, *s, device="cuda", dtype=enc.dtype) for s in enc.tower.input_shapes()]
+    run, x = replay_inputs(enc, data, b)
     for _ in range(5):
-        enc.graphed(*x)
+        run(*x)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     replay = []
     for _ in range(steps):
         start.record()
-        enc.graphed(*x)
+        run(*x)
         end.record()
         end.synchronize()
         replay.append(start.elapsed_time(end))
@@ -81,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed runs per batch (default %(default)s)")
     p.add_argument("--picture", default="224x224", help="WIDTHxHEIGHT of the JPEG served (default %(default)s)")
     p.add_argument("--profile", action="store_true", help="print the kernel table of 10 replays of one image")
+    p.add_argument("--eager", action="store_true", help="a tower graphed per picture grid: time encode() eagerly too")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m bench.vision_tower needs a CUDA GPU")
@@ -89,27 +101,32 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     print(f"building the vision tower of {spec.model_id} ({args.dtype}, graphs up to {max(batches)}) ...", flush=True)
     enc = VisionEncoder(spec, "cuda", args.dtype, graphs_up_to=max(batches))
-    if enc.graphed is None and not spec.image_grid:
+    if enc.graphed is None and enc.grid_graphs is None:
         raise SystemExit("the tower could not be captured in CUDA graphs (see the log above)")
-    # A tower whose pictures take tokens by their size runs eagerly: no replay to time alone.
-    buckets = "eager: pictures of any size" if enc.graphed is None else f"buckets {enc.graphed.buckets}"
-    print(f"ready in {time.perf_counter() - t0:.1f} s; {buckets}", flush=True)
+    graphs = "a graph per picture grid" if enc.grid_graphs is not None else f"buckets {enc.graphed.buckets}"
+    print(f"ready in {time.perf_counter() - t0:.1f} s; {graphs}", flush=True)
     data = jpeg(*(int(n) for n in args.picture.split("x")))
     on_gpu, by_pillow = enc.processor, family_of(spec).image_processor(spec)
     rows = []
     for b in batches:
-        row = [b, time_replay(enc, b, args.steps) if enc.graphed is not None else float("nan")]
+        row = [b, time_replay(enc, data, b, args.steps)]
         for processor in (on_gpu, by_pillow):
             enc.processor = processor
             row += time_serving(enc, data, b, args.steps)
         rows.append(row)
-    if args.profile and enc.graphed is not None:
+        enc.processor = on_gpu
+    if args.eager and enc.grid_graphs is not None:
+        grid_graphs, enc.grid_graphs = enc.grid_graphs, None
+        for b in batches:
+            print(f"eager, {b} x {args.picture}: encode() {time_serving(enc, data, b, args.steps)[1]:.3f} ms (wall)")
+        enc.grid_graphs = grid_graphs
+    if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        x = [torch.zeros(1, *s, device="cuda", dtype=enc.dtype) for s in enc.tower.input_shapes()]
+        run, x = replay_inputs(enc, data, 1)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
-                enc.graphed(*x)
+                run(*x)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
     print(f"pictures: one {args.picture} JPEG; pixels() is per picture, on a CPU thread")
