@@ -24,8 +24,8 @@ e2e percentiles per class, and each service's memory growth after `--warmup` (`g
 robust trend of each figure over the samples). It
 exits 1 when a request was lost, or a service's private memory or reserved GPU memory grew by
 more than `--max-growth` (a share: 0.01 is 1%); with `--extend-to S`, growth past it at
-`--duration` first keeps the load on until S seconds and the samples from `--duration` on are
-judged alone: fresh ones, where a leak rises again and a step the heap took once does not.
+`--duration` first keeps the load on until S seconds, and then the samples from `--duration` on
+must hold the bound and the whole series after the warm-up twice it (`verdict`).
 """
 
 from __future__ import annotations
@@ -235,6 +235,30 @@ def worst_growth(growth: dict[str, dict]) -> float:
     return max(max(g["private"], g.get("gpu_reserved", 0.0)) for g in growth.values())
 
 
+def verdict(result: dict, max_growth: float, memory: tuple[str, ...] = ("private", "gpu_reserved")) -> list[str]:
+    """What failed in a soak's result (empty: it passed): a lost request, or memory growth.
+
+    Judged once, each service's `memory` figures (growth_of's keys; RSS also counts the feature
+    arenas' shared pages, which fill by design) after the warm-up hold `max_growth`, its
+    descriptors at most 2 more. Extended (`--extend-to`), the fresh samples from
+    `--duration` on hold `max_growth` and the whole series after the warm-up twice it: a step the
+    held heap took once (CI's llm: +2.04% over 60-180 s, +1.04% over 60-300, -0.03% over
+    180-300) passes, while a leak rises in the fresh window and over the whole series alike."""
+    problems = [f"{result['lost']} requests lost"] if result["lost"] else []
+    whole, fresh = result["growth_after_warmup"], result.get("growth_fresh")
+    checks = [(whole, max_growth, "after the warm-up")]
+    if fresh is not None:
+        checks = [(fresh, max_growth, "from --duration on"), (whole, 2 * max_growth, "after the warm-up")]
+    for growth, bound, when in checks:
+        for name, g in growth.items():
+            over = {k: g[k] for k in memory if k in g and g[k] > bound}
+            if over:
+                problems.append(f"{name}: memory grew {over} {when}, bound {bound:.2%}")
+            if g["fds"] > 2:
+                problems.append(f"{name}: {g['fds']} more open descriptors {when}")
+    return problems
+
+
 def device_span(samples: list[dict], warmup: float) -> dict | None:
     """The device's memory in use after warm-up: its lowest and highest sample (None off a GPU)."""
     used = [s["device_used_mib"] for s in samples if s["t_s"] >= warmup and s.get("device_used_mib") is not None]
@@ -305,15 +329,17 @@ async def soak(mesh: Mesh, args) -> dict:
     await drive(t0 + args.duration)
     # A sequential test: growth past the bound after --duration may be a leak, a noisy stretch, or a
     # step that a held heap took once on its way to its working set (CI saw one 170 s into the load).
-    # The load goes on to --extend-to and the fresh samples alone are judged against the same bound: a
-    # leak keeps rising in them, a step already taken does not.
+    # The load goes on to --extend-to and the fresh samples are judged too (`verdict`): a leak keeps
+    # rising in them, a step already taken does not.
     at_duration = growth(args.warmup)
     extended = args.extend_to > args.duration and worst_growth(at_duration) > args.max_growth
+    fresh = None
     if extended:
         worst = worst_growth(at_duration)
         print(f"soak: growth {worst:.2%} at {args.duration:g} s; going on to {args.extend_to:g} s", file=sys.stderr)
         await drive(t0 + args.extend_to)
-    judged_from = args.duration if extended else args.warmup
+        fresh = growth(args.duration)
+    whole = growth(args.warmup)  # before the drain: its sample is not the load's
     # Drain: every request sent must end, with an answer or a status, within its deadline.
     if load.pending:
         await asyncio.wait(set(load.pending), timeout=90)
@@ -331,8 +357,8 @@ async def soak(mesh: Mesh, args) -> dict:
         "lost": load.sent - answered - refused,
         "statuses": dict(load.statuses),
         "e2e_ms": {c: {"p50": percentile(v, 50), "p99": percentile(v, 99), "n": len(v)} for c, v in load.e2e.items()},
-        "growth_after_warmup": growth(judged_from),  # the judged samples': see judged_from_s
-        "judged_from_s": judged_from,
+        "growth_after_warmup": whole,
+        "growth_fresh": fresh,  # from --duration on, when extended
         "extended": {"growth_at_duration": at_duration, "to_s": args.extend_to} if extended else None,
         "shm_segments": {"start": samples[0]["shm_segments"], "end": samples[-1]["shm_segments"]},
         "device_used_mib": device_span(samples, args.warmup),
@@ -382,14 +408,19 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="when a service's growth after --duration passes --max-growth, keep the load on until this many "
-        "seconds and judge the samples from --duration on against the same bound (a leak rises in them too, "
-        "a step the heap took once does not) (default 0: judge once)",
+        "seconds; then the samples from --duration on must hold the bound and the whole series twice it (a "
+        "leak rises in both, a step the heap took once does not). At least --duration minus --warmup past "
+        "--duration (default 0: judge once)",
     )
     p.add_argument("--device", default="cpu", help="cpu, or cuda: GPU memory is sampled too (default %(default)s)")
     p.add_argument("--out", type=Path, default=None, help="write the figures and samples as JSON here")
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     args = p.parse_args(argv[:cut])
+    if args.extend_to and args.extend_to - args.duration < args.duration - args.warmup:
+        p.error(
+            "--extend-to: give at least --duration plus (--duration minus --warmup): the fresh window is judged alone"
+        )
     metrics_ports = (0, 0, 0) if args.device.startswith("cuda") else (-1, -1, -1)  # GPU memory comes from /metrics
     opts = MeshOptions.from_flags(
         argv[cut + 1 :],
@@ -407,11 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=1))
     if args.out:
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, **result}, indent=1))
-    worst = worst_growth(result["growth_after_warmup"])
-    ok = result["lost"] == 0 and worst <= args.max_growth
-    if not ok:
-        print(f"soak: FAILED (lost {result['lost']}, worst memory growth {worst:.2%})", file=sys.stderr)
-    return 0 if ok else 1
+    problems = verdict(result, args.max_growth)
+    for problem in problems:
+        print(f"soak: FAILED: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
