@@ -22,6 +22,7 @@ batch overwrites them. Off CUDA the same runs eagerly over the same buffers (the
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,8 @@ class GraphedTower:
 # A grid's graph holds its input, output and layout (some 25 MB for a 1280x720 picture of
 # Qwen2.5-VL-7B); its activations share one pool. Grids past this many run eagerly.
 MAX_GRID_GRAPHS = 32
+# A grid is captured the second time it comes: a one-off size does not take a graph's place.
+CAPTURE_AT_SIGHT = 2
 
 
 @dataclass
@@ -103,38 +106,52 @@ class GridGraphs:
     Eager, such a tower launches some fifty kernels a layer from Python: 57 ms for one 224x224
     picture of Qwen2.5-VL-7B on an H100, the vision stage's whole time (docs/PERF.md). A
     picture's grid (t, h, w in patches) fixes every shape and its windows, so one graph per grid
-    replays the picture; a batch replays one per picture. A grid's graph is captured the first
+    replays the picture; a batch replays one per picture. A grid's graph is captured the second
     time the grid comes (some three eager runs' time, once), up to MAX_GRID_GRAPHS, all in one
-    memory pool and replayed one at a time (the vision's one encoding thread). Other grids, and
-    a grid whose capture failed (logged), run eagerly.
+    memory pool and replayed one at a time (the vision's one encoding thread). The batch's other
+    pictures, of grids without a graph (new, past the cap, or whose capture failed: logged), run
+    together in one eager forward.
     """
 
     def __init__(self, tower: nn.Module, max_graphs: int = MAX_GRID_GRAPHS) -> None:
         self.tower, self.max_graphs = tower, max_graphs
         self.device = next(tower.parameters()).device
         self._pool = self._stream = None  # made at the first capture
-        self._graphs: dict[tuple[int, ...], _GridGraph | None] = {}  # None: runs eagerly
+        self._graphs: dict[tuple[int, ...], _GridGraph | None] = {}  # None: its capture failed
+        self._seen: Counter[tuple[int, ...]] = Counter()
 
     @torch.inference_mode()
     def pictures(self, patches: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
         """`tower.pictures`: packed patches [N, P] of pictures with grids [n, 3] (host) -> one
         [rows, cols, H] each, in their own memory."""
-        out, at = [], 0
-        for i, (t, h, w) in enumerate(grid.tolist()):
-            one = grid[i : i + 1]
-            x, at = patches[at : at + t * h * w], at + t * h * w
-            out += self.tower.split(self._tokens(x, one, (t, h, w)), one)
-        return out
+        keys = [tuple(g) for g in grid.tolist()]
+        parts = patches.split([t * h * w for t, h, w in keys])
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        eager = []
+        for i, (key, x) in enumerate(zip(keys, parts, strict=True)):
+            entry = self._graph(x, grid[i : i + 1], key)
+            if entry is None:
+                eager.append(i)
+                continue
+            entry.patches.copy_(x)
+            entry.graph.replay()
+            out[i] = self.tower.split(entry.tokens.clone(), grid[i : i + 1])[0]
+        if eager:
+            tokens = self.tower.pictures(torch.cat([parts[i] for i in eager]), grid[eager])
+            for i, t in zip(eager, tokens, strict=True):
+                out[i] = t
+        return out  # type: ignore[return-value]
 
-    def _tokens(self, x: torch.Tensor, grid: torch.Tensor, key: tuple[int, ...]) -> torch.Tensor:
-        if key not in self._graphs and len(self._graphs) < self.max_graphs:
-            self._graphs[key] = self._capture(x, grid, key)
-        entry = self._graphs.get(key)
-        if entry is None:
-            return self.tower(x, grid)
-        entry.patches.copy_(x)
-        entry.graph.replay()
-        return entry.tokens.clone()
+    def _graph(self, x: torch.Tensor, grid: torch.Tensor, key: tuple[int, ...]) -> _GridGraph | None:
+        """The grid's graph, captured now if this is its time; None: it runs eagerly."""
+        if key in self._graphs:
+            return self._graphs[key]
+        self._seen[key] += 1
+        captured = sum(g is not None for g in self._graphs.values())
+        if self._seen[key] < CAPTURE_AT_SIGHT or captured >= self.max_graphs:
+            return None
+        self._graphs[key] = self._capture(x, grid, key)
+        return self._graphs[key]
 
     def _capture(self, x: torch.Tensor, grid: torch.Tensor, key: tuple[int, ...]) -> _GridGraph | None:
         try:

@@ -69,8 +69,9 @@ def test_the_tower_on_cuda_gives_transformers_image_features_fp32(cut_qwen, exac
 
 
 def test_the_tower_in_a_graph_per_grid_equals_it_eager_fp32(cut_qwen, exact_fp32):
-    """Each picture's grid captured on first sight (services/vision/graphs.py GridGraphs), replayed
-    after: the same features as the eager tower, a batch with a grid twice and a second batch too."""
+    """Each picture's grid captured at its second sight (services/vision/graphs.py GridGraphs),
+    replayed after: the same features as the eager tower, in batches that mix graphed and eager
+    pictures and a batch with one grid twice."""
     from services.model.spec import load_spec
     from services.vision.encoder import VisionEncoder
 
@@ -79,7 +80,7 @@ def test_the_tower_in_a_graph_per_grid_equals_it_eager_fp32(cut_qwen, exact_fp32
     graphed = VisionEncoder(spec, "cuda", "float32", graphs_up_to=4)
     assert graphed.grid_graphs is not None
     batches = [[data for data, _ in CASES[:3]] + [CASES[0][0]], [CASES[3][0], CASES[1][0]]]
-    for batch in batches:
+    for batch in batches * 2:
         pixels = [eager.pixels(data) for data in batch]
         want, got = eager.encode(pixels), graphed.encode(pixels)
         for g, w in zip(got, want, strict=True):
