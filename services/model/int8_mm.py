@@ -62,7 +62,7 @@ def pick(m: int, n: int, fp8: bool = False) -> Config:
     128 programs, and long loads along K; the widest (gate/up) twice the channels. Prefill-sized
     rows are bound by compute: square tiles that reuse each loaded tile of Q across 128 rows.
     e4m3's best decode tiles differ (H100): longer loads for the narrow shapes at 16 rows,
-    shorter ones and q/k/v's 12288 channels in 64s at 32.
+    shorter ones at 32, with q/k/v's and gate/up's channels (over 8192) in 64s.
     """
     wide = n > 16384
     if fp8 and m <= 16:

@@ -77,7 +77,8 @@ class GraphedTower:
         kinds = 3  # the most layer shapes a tower has per batch (the hybrid: SigLIP, SAM windowed, SAM global)
         try:
             self._run_layer = torch.compile(run_layer, dynamic=False)
-            with torch._dynamo.config.patch(recompile_limit=kinds * len(self.buckets)):
+            limit = max(torch._dynamo.config.recompile_limit, kinds * len(self.buckets))
+            with torch._dynamo.config.patch(recompile_limit=limit):
                 self._graphs = capture_graphs(self.buckets, self._forward, "vision tower, batch")
         except Exception:
             log.exception("the vision tower could not be captured in CUDA graphs: it runs eagerly")
