@@ -235,6 +235,16 @@ def worst_growth(growth: dict[str, dict]) -> float:
     return max(max(g["private"], g.get("gpu_reserved", 0.0)) for g in growth.values())
 
 
+def judged_growth(samples: list[dict], names, warmup: float, duration: float, extended: bool, end: float):
+    """(growth after the warm-up, growth from `duration` on or None) of each service in `names`,
+    over the samples taken under load (up to `end`: the drain's sample is not the load's)."""
+
+    def growth(since: float) -> dict:
+        return {n: growth_of([s for s in samples if since <= s["t_s"] <= end], n) for n in names}
+
+    return growth(warmup), growth(duration) if extended else None
+
+
 def verdict(result: dict, max_growth: float, memory: tuple[str, ...] = ("private", "gpu_reserved")) -> list[str]:
     """What failed in a soak's result (empty: it passed): a lost request, or memory growth.
 
@@ -317,9 +327,6 @@ async def soak(mesh: Mesh, args) -> dict:
     samples = [sample(procs, t0, metrics)]
     sampler = asyncio.create_task(sample_every(samples, args.sample_s, procs, t0, metrics))
 
-    def growth(since: float) -> dict:
-        return {name: growth_of([s for s in samples if s["t_s"] >= since], name) for name in procs}
-
     async def drive(until: float) -> None:
         if args.clients:
             await closed_loop(load, args.clients, until, rng, weights)
@@ -331,15 +338,14 @@ async def soak(mesh: Mesh, args) -> dict:
     # step that a held heap took once on its way to its working set (CI saw one 170 s into the load).
     # The load goes on to --extend-to and the fresh samples are judged too (`verdict`): a leak keeps
     # rising in them, a step already taken does not.
-    at_duration = growth(args.warmup)
+    at_duration, _ = judged_growth(samples, procs, args.warmup, args.duration, False, time.monotonic() - t0)
     extended = args.extend_to > args.duration and worst_growth(at_duration) > args.max_growth
-    fresh = None
     if extended:
         worst = worst_growth(at_duration)
         print(f"soak: growth {worst:.2%} at {args.duration:g} s; going on to {args.extend_to:g} s", file=sys.stderr)
         await drive(t0 + args.extend_to)
-        fresh = growth(args.duration)
-    whole = growth(args.warmup)  # before the drain: its sample is not the load's
+    load_end = time.monotonic() - t0
+    whole, fresh = judged_growth(samples, procs, args.warmup, args.duration, extended, load_end)
     # Drain: every request sent must end, with an answer or a status, within its deadline.
     if load.pending:
         await asyncio.wait(set(load.pending), timeout=90)
@@ -359,6 +365,7 @@ async def soak(mesh: Mesh, args) -> dict:
         "e2e_ms": {c: {"p50": percentile(v, 50), "p99": percentile(v, 99), "n": len(v)} for c, v in load.e2e.items()},
         "growth_after_warmup": whole,
         "growth_fresh": fresh,  # from --duration on, when extended
+        "load_end_s": round(load_end, 3),
         "extended": {"growth_at_duration": at_duration, "to_s": args.extend_to} if extended else None,
         "shm_segments": {"start": samples[0]["shm_segments"], "end": samples[-1]["shm_segments"]},
         "device_used_mib": device_span(samples, args.warmup),
@@ -412,11 +419,30 @@ def main(argv: list[str] | None = None) -> int:
         "leak rises in both, a step the heap took once does not). At least --duration minus --warmup past "
         "--duration (default 0: judge once)",
     )
+    p.add_argument(
+        "--judge-memory",
+        default="private,gpu_reserved",
+        help="the memory figures held to --max-growth: private, rss (which also counts the feature arenas' "
+        "shared pages), gpu_reserved (default %(default)s)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, or cuda: GPU memory is sampled too (default %(default)s)")
-    p.add_argument("--out", type=Path, default=None, help="write the figures and samples as JSON here")
+    p.add_argument("--out", type=Path, default=None, help="write the figures, samples and verdict as JSON here")
+    p.add_argument(
+        "--judge",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="start no mesh: judge the soak saved in FILE (--out's JSON) again, with these --max-growth and "
+        "--judge-memory, and exit as that run would have",
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     args = p.parse_args(argv[:cut])
+    memory = tuple(m for m in args.judge_memory.split(",") if m)
+    if not memory or set(memory) - {"private", "rss", "gpu_reserved"}:
+        p.error(f"--judge-memory {args.judge_memory!r}: give some of private, rss, gpu_reserved")
+    if args.judge:
+        return judge_file(args.judge, args.max_growth, memory)
     if args.extend_to and args.extend_to - args.duration < args.duration - args.warmup:
         p.error(
             "--extend-to: give at least --duration plus (--duration minus --warmup): the fresh window is judged alone"
@@ -434,14 +460,35 @@ def main(argv: list[str] | None = None) -> int:
     with Mesh(opts) as mesh:
         mesh.start(progress=lambda m: print(f"soak: {m}", file=sys.stderr, flush=True))
         result = asyncio.run(soak(mesh, args))
+    result["problems"] = verdict(result, args.max_growth, memory)
     summary = {k: v for k, v in result.items() if k != "samples"}
     print(json.dumps(summary, indent=1))
     if args.out:
-        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, **result}, indent=1))
-    problems = verdict(result, args.max_growth)
+        saved = vars(args) | {"out": str(args.out), "judge": None}
+        args.out.write_text(json.dumps({"args": saved, **result}, indent=1))
+    return report(result["problems"])
+
+
+def report(problems: list[str]) -> int:
     for problem in problems:
         print(f"soak: FAILED: {problem}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def judge_file(path: Path, max_growth: float, memory: tuple[str, ...]) -> int:
+    """A saved soak judged again: its growths from its own samples and settings, then `verdict`."""
+    try:
+        saved = json.loads(path.read_text())
+        run, samples = saved["args"], saved["samples"]
+        names = [n for n in samples[0] if isinstance(samples[0][n], dict)]
+        end = saved.get("load_end_s", samples[-1]["t_s"])
+        extended = saved.get("extended") is not None
+        whole, fresh = judged_growth(samples, names, run["warmup"], run["duration"], extended, end)
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise SystemExit(f"--judge {path}: not a soak's JSON as --out writes it ({type(e).__name__}: {e})") from e
+    result = {"lost": saved.get("lost", 0), "growth_after_warmup": whole, "growth_fresh": fresh}
+    print(json.dumps(result, indent=1))
+    return report(verdict(result, max_growth, memory))
 
 
 if __name__ == "__main__":
