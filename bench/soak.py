@@ -230,11 +230,6 @@ def growth_of(samples: list[dict], name: str) -> dict:
     return growth
 
 
-def worst_growth(growth: dict[str, dict]) -> float:
-    """The largest private (or reserved GPU) memory growth among the services, as growth_of gives it."""
-    return max(max(g["private"], g.get("gpu_reserved", 0.0)) for g in growth.values())
-
-
 def judged_growth(samples: list[dict], names, warmup: float, duration: float, extended: bool, end: float):
     """(growth after the warm-up, growth from `duration` on or None) of each service in `names`,
     over the samples taken under load (up to `end`: the drain's sample is not the load's)."""
@@ -308,7 +303,8 @@ async def sample_every(samples: list[dict], every_s: float, procs, t0: float, me
         samples.append(sample(procs, t0, metrics))
 
 
-async def soak(mesh: Mesh, args) -> dict:
+async def soak(mesh: Mesh, args, memory: tuple[str, ...]) -> dict:
+    """The soak's figures and samples; `memory`: the figures `verdict` holds to --max-growth."""
     load = Load(mesh.target("gateway"), args.max_tokens, args.pool, args.mixed)
     procs = {c.name: psutil.Process(c.proc.pid) for c in mesh.children}
     metrics = {}
@@ -339,10 +335,10 @@ async def soak(mesh: Mesh, args) -> dict:
     # The load goes on to --extend-to and the fresh samples are judged too (`verdict`): a leak keeps
     # rising in them, a step already taken does not.
     at_duration, _ = judged_growth(samples, procs, args.warmup, args.duration, False, time.monotonic() - t0)
-    extended = args.extend_to > args.duration and worst_growth(at_duration) > args.max_growth
+    over = verdict({"lost": 0, "growth_after_warmup": at_duration}, args.max_growth, memory)
+    extended = args.extend_to > args.duration and bool(over)
     if extended:
-        worst = worst_growth(at_duration)
-        print(f"soak: growth {worst:.2%} at {args.duration:g} s; going on to {args.extend_to:g} s", file=sys.stderr)
+        print(f"soak: at {args.duration:g} s {over[0]}; going on to {args.extend_to:g} s", file=sys.stderr)
         await drive(t0 + args.extend_to)
     load_end = time.monotonic() - t0
     whole, fresh = judged_growth(samples, procs, args.warmup, args.duration, extended, load_end)
@@ -459,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     with Mesh(opts) as mesh:
         mesh.start(progress=lambda m: print(f"soak: {m}", file=sys.stderr, flush=True))
-        result = asyncio.run(soak(mesh, args))
+        result = asyncio.run(soak(mesh, args, memory))
     result["problems"] = verdict(result, args.max_growth, memory)
     summary = {k: v for k, v in result.items() if k != "samples"}
     print(json.dumps(summary, indent=1))
