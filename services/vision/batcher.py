@@ -3,6 +3,10 @@
 Images wait in a queue ordered by QoS class (aged by waiting time, as in the llm
 scheduler), then arrival. Whenever the encoder is free it takes up to `max_batch` of
 them, so batches grow with load and a lone request never waits for a timer.
+
+A request's pictures are one `Group`: the ones ready are held until every other picture of
+the request has come too (or left: a cache hit, a bad image, a cancel), so they share a batch
+rather than the second waiting out the first's encode.
 """
 
 from __future__ import annotations
@@ -20,6 +24,36 @@ from services.common.qos import QosLevel, effective_class
 from services.vision.encoder import Pixels, VisionEncoder
 
 
+class Group:
+    """The pictures of one request still to come to the batcher: those that came wait for them."""
+
+    def __init__(self, batcher: VisionBatcher, members: int) -> None:
+        self._batcher = batcher
+        self.pending = members  # members that have neither come nor left
+
+    def _arrive(self) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            self._batcher._wake.set()
+
+
+class Member:
+    """One picture of a `Group`: it comes once (`VisionBatcher.submit`) or leaves once (`leave`).
+
+    A member must leave whenever it will not come soon (a cache hit, an error, a cancel, a wait
+    for another request's encode of the same picture); then it may still come, outside the group.
+    """
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.done = False
+
+    def leave(self) -> None:
+        if not self.done:
+            self.done = True
+            self.group._arrive()
+
+
 @dataclass
 class _Item:
     qos: QosLevel
@@ -28,6 +62,11 @@ class _Item:
     future: asyncio.Future = field(compare=False)
     enqueued: float = field(compare=False)
     trace: object = field(compare=False)  # the requester's span context (None when tracing is off)
+    group: Group | None = field(compare=False, default=None)
+
+    @property
+    def held(self) -> bool:
+        return self.group is not None and self.group.pending > 0
 
 
 @dataclass
@@ -60,10 +99,19 @@ class VisionBatcher:
                 item.future.cancel()
         self._executor.shutdown(wait=True)
 
-    async def submit(self, pixels: Pixels, qos: QosLevel) -> EncodeResult:
+    def group(self, members: int) -> list[Member]:
+        """A request's `members` pictures, to be batched together (see `Member`)."""
+        group = Group(self, members)
+        return [Member(group) for _ in range(members)]
+
+    async def submit(self, pixels: Pixels, qos: QosLevel, member: Member | None = None) -> EncodeResult:
         future = asyncio.get_running_loop().create_future()
-        item = _Item(qos, next(self._seq), pixels, future, time.perf_counter(), telemetry.current_context())
+        group = None if member is None or member.done else member.group
+        item = _Item(qos, next(self._seq), pixels, future, time.perf_counter(), telemetry.current_context(), group)
         self._waiting.append(item)
+        if group is not None:
+            member.done = True  # type: ignore[union-attr]
+            group._arrive()
         metrics.QUEUE_DEPTH.labels("vision", qos.wire).inc()
         self._wake.set()
         result = await future
@@ -82,12 +130,14 @@ class VisionBatcher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._waiting:
+            while any(not item.held for item in self._waiting):
                 batch: list[_Item] = []
                 now = time.perf_counter()
                 self._waiting.sort(key=lambda it: (effective_class(it.qos, now - it.enqueued), it.seq))
-                while self._waiting and len(batch) < self.max_batch:
-                    item = self._waiting.pop(0)
+                ready = [item for item in self._waiting if not item.held][: self.max_batch]
+                taken = {id(item) for item in ready}
+                self._waiting = [item for item in self._waiting if id(item) not in taken]
+                for item in ready:
                     level = item.qos.wire
                     metrics.QUEUE_DEPTH.labels("vision", level).dec()
                     if not item.future.cancelled():  # the caller went away while waiting

@@ -62,18 +62,23 @@ class FeatureCache:
         return ref
 
     async def get(
-        self, key: bytes | None, transport: Transport, encode: Callable[[], Awaitable[tuple[pb.TensorRef, T]]]
+        self,
+        key: bytes | None,
+        transport: Transport,
+        encode: Callable[[], Awaitable[tuple[pb.TensorRef, T]]],
+        on_wait: Callable[[], None] = lambda: None,
     ) -> tuple[pb.TensorRef, T | None]:
         """The features of one image: kept ones (and None), or `encode()`'s (and what it returned).
 
         `key` None: the cache is off for it; `encode` runs. A request for a key another
-        request is encoding waits for that one, then looks again (if the features could not be
-        kept, because every kept slot is being read, it encodes them itself).
+        request is encoding calls `on_wait()` and waits for that one, then looks again (if the
+        features could not be kept, because every kept slot is being read, it encodes them itself).
         """
         if key is None:
             return await encode()
         ref = self._lookup(key, transport)
         if ref is None and key in self._encoding:
+            on_wait()
             await asyncio.shield(self._encoding[key])  # ends with None, whether the encode worked or not
             ref = self._lookup(key, transport)
         if ref is not None:

@@ -18,7 +18,7 @@ from services.common.validation import check_images
 from services.handoff.producer import Producer
 from services.handoff.transport import Transport
 from services.handoff.wire import lease_ids
-from services.vision.batcher import VisionBatcher
+from services.vision.batcher import Member, VisionBatcher
 from services.vision.encoder import VisionEncoder
 from services.vision.feature_cache import FeatureCache, config_salt
 from vlmesh.v1 import common_pb2 as pb
@@ -63,8 +63,9 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         self.memory.admit(qos)
         check_images(request.images)
         transport = self.producer.negotiate(request.consumer)  # a consumer we cannot serve fails before any work
+        members = self.batcher.group(len(request.images))  # the pictures it encodes share a batch
         results = await asyncio.gather(
-            *(self._features(qos, transport, i, image) for i, image in enumerate(request.images)),
+            *(self._features(qos, transport, members[i], i, image) for i, image in enumerate(request.images)),
             return_exceptions=True,
         )
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -75,7 +76,7 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
         timings = Timings(**{k: max((getattr(t, k) for t in stages), default=0.0) for k in _STAGES})
         return vision_pb2.EncodeResponse(features=[r[0] for r in results], timings=timings.to_pb())
 
-    async def _features(self, qos: QosLevel, transport: Transport, i: int, image: pb.Image):
+    async def _features(self, qos: QosLevel, transport: Transport, member: Member, i: int, image: pb.Image):
         """One image's reference, from the cache or encoded, and the stages it ran (None on a hit)."""
 
         async def encode() -> tuple[pb.TensorRef, Timings]:
@@ -86,7 +87,7 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
                 )
             preprocess = time.perf_counter() - t0
             metrics.STAGE_DURATION.labels("preprocess").observe(preprocess)
-            result = await self.batcher.submit(pixels, qos)
+            result = await self.batcher.submit(pixels, qos, member)
             t1 = time.perf_counter()
             with telemetry.span("handoff.export", {"transport": transport.name}):
                 (ref,) = self.producer.export([result.features], transport, [key] if key is not None else None)
@@ -99,9 +100,13 @@ class VisionServicer(vision_pb2_grpc.VisionServicer):
             return ref, stages
 
         data = image.data
-        self.encoder.check_max_pixels(image.max_pixels, f"images[{i}]")  # before a cache lookup
-        key = self.cache.key(data, image.max_pixels) if self.cache.enabled else None
-        return await self.cache.get(key, transport, encode)
+        try:
+            self.encoder.check_max_pixels(image.max_pixels, f"images[{i}]")  # before a cache lookup
+            key = self.cache.key(data, image.max_pixels) if self.cache.enabled else None
+            # Waiting for another encode of this picture (maybe this request's own) it leaves the group.
+            return await self.cache.get(key, transport, encode, on_wait=member.leave)
+        finally:
+            member.leave()  # a hit or an error: the request's other pictures need not wait for it
 
     @rpc.unary
     async def Release(self, request: vision_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):

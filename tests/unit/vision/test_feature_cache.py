@@ -180,3 +180,26 @@ def test_the_key_covers_bytes_model_preprocessing_and_dtype(encoder, producer):
     assert key(data) == key(bytes(data))
     assert key(data) != key(data + b"\0")  # equal pixels in other bytes miss, by design
     assert all(FeatureCache(producer, other, True).key(data) != key(data) for other in others)
+
+
+def test_a_picture_repeated_inside_a_request_is_encoded_once_beside_the_others(encoder, producer, consumer):
+    """[A, A, B]: the second A waits for the first's encode (leaving the request's batch group, or
+    the two would wait for each other), and A and B share one batch."""
+    batches: list[int] = []
+    counting = CountingEncoder(encoder)
+    counting.encode = lambda batch: batches.append(len(batch)) or encoder.encode(batch)  # type: ignore[method-assign]
+    a, b = PICTURES[0], PICTURES[1]
+
+    async def main():
+        async with vision_service(counting, producer) as stub:
+            resp = await stub.Encode(encode_request(consumer_info(consumer), [a, a, b]), timeout=30)
+            tensors = consumer.open(resp.features).tensors
+            await stub.Release(vision_pb2.ReleaseRequest(lease_ids=lease_ids(resp.features)), timeout=5)
+            return resp.features, tensors
+
+    refs, tensors = asyncio.run(main())
+    assert batches == [2]
+    assert refs[0].lease.id == refs[1].lease.id != refs[2].lease.id
+    for data, got in zip([a, a, b], tensors, strict=True):
+        torch.testing.assert_close(got, vision_reference(encoder, data), rtol=1e-4, atol=1e-5)
+    assert producer.leased == 0
