@@ -4,7 +4,7 @@ codes (the int8 variant's) or e4m3 (the fp8 variant's decode rows).
 
 Timed as the engine runs it: a CUDA graph of `--layers` launches over as many distinct weights
 (so none is read from L2), replayed; the time per launch is the replay's over the launches.
-Every config of a small grid is tried and checked against an fp64 reference. The table gives
+Every config of a small grid (split along K or not) is tried and checked against an fp64 reference. The table gives
 the bytes-read floor of the int8 weight at the copy bandwidth of `--bandwidth` (TB/s), bf16
 cuBLAS, the dequantizing path, the best config (at one row gemv's one-row kernel too, scaled) and the op as it
 picks (its time includes a copy of the output).
@@ -25,9 +25,12 @@ from services.model import gemv, int8_mm
 
 ROW = [(n, k, w, s) for n in (8, 16, 32) for k in (512, 1024, 2048) for w in (4, 8) for s in (3, 4)]  # gemv's
 C = int8_mm.Config
-GRID = {  # (rows, channels, input channels) per program, warps, stages; by row count
-    "decode": [C(16, n, k, w, 4) for n in (16, 32, 64, 128) for k in (128, 256, 512) for w in (4, 8)],
-    "mid": [C(m, n, k, 4, s) for m in (32, 64) for n in (32, 64, 128) for k in (64, 128, 256) for s in (3, 4)],
+SPLITS = (2, 4, 8)
+GRID = {  # (rows, channels, input channels) per program, warps, stages, splits along K; by row count
+    "decode": [C(16, n, k, w, 4) for n in (16, 32, 64, 128) for k in (128, 256, 512) for w in (4, 8)]
+    + [C(16, n, k, 4, 4, j) for n in (32, 64) for k in (128, 256) for j in SPLITS],
+    "mid": [C(m, n, k, 4, s) for m in (32, 64) for n in (32, 64, 128) for k in (64, 128, 256) for s in (3, 4)]
+    + [C(32, n, k, 4, s, j) for n in (32, 64) for k in (64, 128) for s in (3, 4) for j in SPLITS],
     "prefill": [
         C(m, n, k, w, s) for m in (64, 128) for n in (128, 256) for k in (64, 128) for w in (4, 8) for s in (3, 4)
     ],
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     w = args.weight
     print(
         f"\n| rows | linear | {w} floor us | bf16 cuBLAS us | dequant + cuBLAS us | {w} best us (x floor) "
-        "| best (m, n, k, warps, stages) | picked us |"
+        "| best (m, n, k, warps, stages, split) | picked us |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:

@@ -36,6 +36,7 @@ class Config(NamedTuple):
     block_k: int  # input channels per load
     warps: int
     stages: int
+    split_k: int = 1  # programs along K, each a share of it, their partial sums added by a second kernel
 
 
 # One row: gemv's streaming kernel, scaled, with 8 channels a program (512 programs for 4096).
@@ -89,34 +90,54 @@ def linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_ym,
+    def _kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_ym, k_share,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        # Split along K (grid axis 2 > 1): program (n, m, j) sums the j-th `k_share` input channels into
+        # y_ptr, an fp32 workspace [split, M, N] whose row stride is stride_ym; `_add_shares` adds them.
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
+        k_start = tl.program_id(2) * k_share
+        k_end = tl.minimum(k_start + k_share, K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + rk
-            x_mask = (rm[:, None] < M) & (ks[None, :] < K)
+            x_mask = (rm[:, None] < M) & (ks[None, :] < k_end)
             x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
             # Q's tile transposed, [BLOCK_K, BLOCK_N]: contiguous along K, as stored.
-            w_mask = (rn[None, :] < N) & (ks[:, None] < K)
+            w_mask = (rn[None, :] < N) & (ks[:, None] < k_end)
             w = tl.load(q_ptr + rn[None, :] * stride_qn + ks[:, None], mask=w_mask, other=0.0)
             acc = tl.dot(x, w.to(x.dtype), acc)
         s = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
         y = acc * s[None, :]
         mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        out = y_ptr + tl.program_id(2) * M * stride_ym + rm[:, None] * stride_ym + rn[None, :]
+        tl.store(out, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_shares(ws_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+        """y [M, N] = the sum of the workspace's SPLIT shares [SPLIT, M, N] (fp32), in y's dtype."""
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(SPLIT):
+            acc += tl.load(ws_ptr + j * MN + r, mask=r < MN, other=0.0)
+        tl.store(y_ptr + r, acc.to(y_ptr.dtype.element_ty), mask=r < MN)
 
 
 def launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, y: torch.Tensor, cfg: Config) -> None:
-    """y [M, N] = (x [M, K] q [N, K]^T) * s [N], with this config."""
+    """y [M, N] = (x [M, K] q [N, K]^T) * s [N], with this config (y contiguous)."""
     m, k = x.shape
     n = q.shape[0]
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
-    _kernel[grid](x, q, s, y, m, n, k, x.stride(0), q.stride(0), y.stride(0),
+    split = cfg.split_k
+    assert split == 1 or y.is_contiguous(), "a split launch writes y as contiguous [M, N]"
+    share = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k  # whole loads per share
+    out = y if split == 1 else torch.empty(split, m, n, device=y.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+    _kernel[grid](x, q, s, out, m, n, k, x.stride(0), q.stride(0), n if split > 1 else y.stride(0), share,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   num_warps=cfg.warps, num_stages=cfg.stages)  # fmt: skip
+    if split > 1:
+        _add_shares[(triton.cdiv(m * n, 1024),)](out, y, m * n, SPLIT=split, BLOCK=1024)
 
 
 # Registered at import, not on first use: Dynamo does not trace through a cached factory's

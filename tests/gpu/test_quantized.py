@@ -32,6 +32,23 @@ def test_the_int8_kernel_equals_the_dequantized_matmul(dtype, m, n, k):
     assert err < 1e-2, f"relative error {err}"
 
 
+@pytest.mark.parametrize("weight", [torch.int8, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("cfg", [int8_mm.Config(16, 32, 128, 4, 4, 4), int8_mm.Config(32, 64, 64, 4, 3, 3)], ids=str)
+@pytest.mark.parametrize("m, n, k", [(8, 4096, 11008), (32, 4096, 4096), (20, 72, 200)])
+def test_a_split_along_k_adds_its_shares_to_the_whole_sum(weight, cfg, m, n, k):
+    """Each share of K's loads, and the second kernel's sum, against fp64 (a K not a multiple of the
+    shares' loads included); every output written (NaN to start)."""
+    gen = torch.Generator(device="cuda").manual_seed(n + k + m)
+    q = (torch.randn(n, k, device="cuda", generator=gen) * 64).clamp(-127, 127).to(weight)
+    s = torch.rand(n, device="cuda", generator=gen) / (127 * k**0.5)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    int8_mm.launch(x, q, s, y, cfg)
+    ref = (x.double() @ q.double().T) * s.double()
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, f"relative error {err}"
+
+
 def _layers(dtype: torch.dtype) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4096, 1024, bias=False), nn.Linear(1024, 512, bias=False)).to(CUDA, dtype)
