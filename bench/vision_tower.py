@@ -6,8 +6,8 @@ on one JPEG of `--picture` size as a preprocessing thread runs it (CPU), and `en
 servicer calls it (uint8 pixels uploaded, resized if left to the GPU, normalised, the replay,
 the features cloned out), wall time to a sync; p50 of `--steps` after 5 warm-ups. `--profile`
 adds torch.profiler's kernel table for 10 replays of one image. A tower whose pictures take
-tokens by their size (Qwen2.5-VL) runs a graph per picture grid: its replay column is `--batches`
-pictures of `--picture` replayed one after another, and `--eager` times it without graphs too.
+tokens by their size (Qwen2.5-VL) runs a graph per batch of picture grids: its replay column is
+one graph of `--batches` pictures of `--picture`, and `--eager` times it without graphs too.
 
     python -m bench.vision_tower [--model preset:llava-7b-shaped] [--batches 1,2,4,8] [--profile]
 """
@@ -41,7 +41,7 @@ def jpeg(width: int, height: int) -> bytes:
 
 def replay_inputs(enc: VisionEncoder, data: bytes, b: int) -> tuple[Callable, tuple]:
     """The graphed tower and its inputs for `b` pictures: a batch of zeros for a bucketed tower, or
-    `b` of this picture's patches for a tower graphed per grid."""
+    `b` of this picture's patches for a tower graphed per batch of grids."""
     if enc.grid_graphs is not None:
         inputs = enc.processor.tower_inputs([enc.pixels(data)] * b, torch.device("cuda"))
         return enc.grid_graphs.pictures, (inputs[0].to(enc.dtype), inputs[1])
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed runs per batch (default %(default)s)")
     p.add_argument("--picture", default="224x224", help="WIDTHxHEIGHT of the JPEG served (default %(default)s)")
     p.add_argument("--profile", action="store_true", help="print the kernel table of 10 replays of one image")
-    p.add_argument("--eager", action="store_true", help="a tower graphed per picture grid: time encode() eagerly too")
+    p.add_argument("--eager", action="store_true", help="a tower graphed per batch of grids: time encode() eagerly too")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m bench.vision_tower needs a CUDA GPU")
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     enc = VisionEncoder(spec, "cuda", args.dtype, graphs_up_to=max(batches))
     if enc.graphed is None and enc.grid_graphs is None:
         raise SystemExit("the tower could not be captured in CUDA graphs (see the log above)")
-    graphs = "a graph per picture grid" if enc.grid_graphs is not None else f"buckets {enc.graphed.buckets}"
+    graphs = "a graph per batch of grids" if enc.grid_graphs is not None else f"buckets {enc.graphed.buckets}"
     print(f"ready in {time.perf_counter() - t0:.1f} s; {graphs}", flush=True)
     data = jpeg(*(int(n) for n in args.picture.split("x")))
     on_gpu, by_pillow = enc.processor, family_of(spec).image_processor(spec)

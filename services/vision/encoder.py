@@ -49,7 +49,7 @@ class VisionEncoder:
                 self.graphed = GraphedTower(self.tower, graphs_up_to, shapes, out, self.dtype).capture()
         runs = "eager"
         if self.grid_graphs is not None:
-            runs = "in a CUDA graph per picture grid, each captured the second time its grid comes"
+            runs = "in a CUDA graph per batch of picture grids, each captured the second time its grids come"
         elif self.graphed is not None:
             runs = f"in CUDA graphs for batches {self.graphed.buckets}"
         log.info(

@@ -1,5 +1,5 @@
 """The vision tower (the family's ViT(s) + projector) in CUDA graphs: one per batch bucket
-(`GraphedTower`), or, where pictures take tokens by their size, one per picture grid (`GridGraphs`).
+(`GraphedTower`), or, where pictures take tokens by their size, one per batch of picture grids (`GridGraphs`).
 
 Eager, the tower launches some fifteen kernels per ViT layer from Python, and for one image
 the launching, not the GPU's arithmetic, sets the vision stage's time (docs/PERF.md). Captured,
@@ -86,92 +86,105 @@ class GraphedTower:
         return self
 
 
-# A grid's graph holds its input, output and layout (some 25 MB for a 1280x720 picture of
-# Qwen2.5-VL-7B); its activations share one pool. Grids past this many run eagerly.
+# A graph holds its batch's input, output and layout; its activations share one pool. Batches of
+# grids past this many graphs, or of more patches than this (some 19 MB of bf16 input: one
+# 1280x720 picture of Qwen2.5-VL), run eagerly: pictures that large are bound by arithmetic.
 MAX_GRID_GRAPHS = 32
-# A grid is captured the second time it comes: a one-off size does not take a graph's place.
+MAX_GRAPH_PATCHES = 8192
+# A batch's grids are captured the second time they come: a one-off does not take a graph's place.
 CAPTURE_AT_SIGHT = 2
+
+BatchKey = tuple[tuple[int, int, int], ...]  # a batch's picture grids (t, h, w), sorted
 
 
 @dataclass
 class _GridGraph:
     graph: torch.cuda.CUDAGraph
-    patches: torch.Tensor  # [N, P]: the static input
+    patches: torch.Tensor  # [N, P]: the static input, pictures in the key's order
     tokens: torch.Tensor  # [N / m^2, H]: the static output
+    grid: torch.Tensor  # [n, 3] (host): the key's grids
     layout: object  # the tower's device layout, which the graph reads: kept alive with it
 
 
 class GridGraphs:
-    """A tower whose pictures take tokens by their size (Qwen2.5-VL) in a CUDA graph per picture grid.
+    """A tower whose pictures take tokens by their size (Qwen2.5-VL) in a CUDA graph per batch of grids.
 
-    Eager, such a tower launches some fifty kernels a layer from Python: 57 ms for one 224x224
-    picture of Qwen2.5-VL-7B on an H100, the vision stage's whole time (docs/PERF.md). A
-    picture's grid (t, h, w in patches) fixes every shape and its windows, so one graph per grid
-    replays the picture; a batch replays one per picture. A grid's graph is captured the second
-    time the grid comes (some three eager runs' time, once), up to MAX_GRID_GRAPHS, all in one
-    memory pool and replayed one at a time (the vision's one encoding thread). The batch's other
-    pictures, of grids without a graph (new, past the cap, or whose capture failed: logged), run
-    together in one eager forward.
+    Eager, such a tower launches some fifty kernels a layer from Python: 39-57 ms for one 224x224
+    picture of Qwen2.5-VL-7B on an H100 (docs/PERF.md). The grids of a batch's pictures (t, h, w
+    in patches) fix every shape and window, so one graph per set of grids replays the batch.
+    Captured, a small picture is still some 1,300 small kernels (10.4 ms for one 224x224 picture):
+    a replay per picture would cost a batch of eight 80 ms where one eager forward of the eight
+    packed costs 25, so the key is the whole batch's grids, sorted (the pictures are reordered
+    into the graph and their tokens back). A key is captured the second time it comes (some
+    three eager runs' time, once), up to MAX_GRID_GRAPHS of at most MAX_GRAPH_PATCHES each, all
+    in one memory pool and replayed one at a time (the vision's one encoding thread). A batch
+    without a graph (new, past the caps, or its capture failed: logged) runs as one eager forward.
     """
 
-    def __init__(self, tower: nn.Module, max_graphs: int = MAX_GRID_GRAPHS) -> None:
-        self.tower, self.max_graphs = tower, max_graphs
+    def __init__(
+        self, tower: nn.Module, max_graphs: int = MAX_GRID_GRAPHS, max_patches: int = MAX_GRAPH_PATCHES
+    ) -> None:
+        self.tower, self.max_graphs, self.max_patches = tower, max_graphs, max_patches
         self.device = next(tower.parameters()).device
         self._pool = self._stream = None  # made at the first capture
-        self._graphs: dict[tuple[int, ...], _GridGraph | None] = {}  # None: its capture failed
-        self._seen: Counter[tuple[int, ...]] = Counter()
+        self._graphs: dict[BatchKey, _GridGraph | None] = {}  # None: its capture failed
+        self._seen: Counter[BatchKey] = Counter()
 
     @torch.inference_mode()
     def pictures(self, patches: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
         """`tower.pictures`: packed patches [N, P] of pictures with grids [n, 3] (host) -> one
-        [rows, cols, H] each, in their own memory."""
-        keys = [tuple(g) for g in grid.tolist()]
-        parts = patches.split([t * h * w for t, h, w in keys])
-        out: list[torch.Tensor | None] = [None] * len(keys)
-        eager = []
-        for i, (key, x) in enumerate(zip(keys, parts, strict=True)):
-            entry = self._graph(x, grid[i : i + 1], key)
-            if entry is None:
-                eager.append(i)
-                continue
-            entry.patches.copy_(x)
-            entry.graph.replay()
-            out[i] = self.tower.split(entry.tokens.clone(), grid[i : i + 1])[0]
-        if eager:
-            tokens = self.tower.pictures(torch.cat([parts[i] for i in eager]), grid[eager])
-            for i, t in zip(eager, tokens, strict=True):
-                out[i] = t
-        return out  # type: ignore[return-value]
+        [rows, cols, H] each, in the batch's order."""
+        grids = [tuple(g) for g in grid.tolist()]
+        order = sorted(range(len(grids)), key=grids.__getitem__)
+        key = tuple(grids[i] for i in order)
+        entry = self._graph(key, patches, grid, order)
+        if entry is None:
+            return self.tower.pictures(patches, grid)
+        parts = patches.split([t * h * w for t, h, w in grids])
+        at = 0
+        for i in order:
+            entry.patches[at : at + parts[i].shape[0]].copy_(parts[i])
+            at += parts[i].shape[0]
+        entry.graph.replay()
+        tokens = self.tower.split(entry.tokens.clone(), entry.grid)  # the key's order
+        out: list[torch.Tensor] = [tokens[0]] * len(grids)
+        for j, i in enumerate(order):
+            out[i] = tokens[j]
+        return out
 
-    def _graph(self, x: torch.Tensor, grid: torch.Tensor, key: tuple[int, ...]) -> _GridGraph | None:
-        """The grid's graph, captured now if this is its time; None: it runs eagerly."""
+    def _graph(self, key: BatchKey, patches: torch.Tensor, grid: torch.Tensor, order: list[int]) -> _GridGraph | None:
+        """The batch's graph, captured now if this is its time; None: it runs eagerly."""
         if key in self._graphs:
             return self._graphs[key]
+        if patches.shape[0] > self.max_patches:
+            return None
         self._seen[key] += 1
         captured = sum(g is not None for g in self._graphs.values())
         if self._seen[key] < CAPTURE_AT_SIGHT or captured >= self.max_graphs:
             return None
-        self._graphs[key] = self._capture(x, grid, key)
+        self._graphs[key] = self._capture(key, patches, grid, order)
         return self._graphs[key]
 
-    def _capture(self, x: torch.Tensor, grid: torch.Tensor, key: tuple[int, ...]) -> _GridGraph | None:
+    def _capture(self, key: BatchKey, patches: torch.Tensor, grid: torch.Tensor, order: list[int]) -> _GridGraph | None:
         try:
             if self._pool is None:
                 self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
-            layout = self.tower.device_layout(grid, self.device)
-            patches = x.clone()
+            grids = grid[order]
+            parts = patches.split([t * h * w for t, h, w in grid.tolist()])
+            static = torch.cat([parts[i] for i in order])
+            layout = self.tower.device_layout(grids, self.device)
             out = {}
 
             def run(_) -> None:
-                tokens = self.tower(patches, grid, layout)
+                tokens = self.tower(static, grids, layout)
                 if "tokens" not in out:  # the first warm-up run, outside the capture
                     out["tokens"] = torch.empty_like(tokens)
                 out["tokens"].copy_(tokens)
 
             graph = capture_graphs(
-                [key], run, "vision tower, grid", self._stream, self._pool, error_mode="thread_local"
+                [key], run, "vision tower, grids", self._stream, self._pool, error_mode="thread_local"
             )[key]
-            return _GridGraph(graph, patches, out["tokens"], layout)
+            return _GridGraph(graph, static, out["tokens"], grids, layout)
         except Exception:
-            log.exception("the vision tower could not be captured for grid %s: pictures of it run eagerly", key)
+            log.exception("the vision tower could not be captured for grids %s: they run eagerly", key)
             return None

@@ -34,9 +34,10 @@ def test_graphed_tower_equals_the_tower_for_every_batch(model, request):
 
 def test_grid_graphs_give_each_picture_its_towers_tokens(tiny_qwen, monkeypatch):
     """GridGraphs' bookkeeping on the CPU, a capture that replays by running the same function
-    (CUDA replays what it captured of it): a grid captured the second time it comes, pictures split
-    and in order, one graph per grid, grids past the cap and a grid whose capture failed run
-    eagerly (together), and every picture gets the tokens the tower gives it."""
+    (CUDA replays what it captured of it): a batch's grids captured the second time they come, in
+    any order (the key is sorted, the pictures reordered into the graph and back), batches past
+    the caps and a batch whose capture failed run eagerly, and every picture gets the tokens the
+    tower gives it."""
     import types
 
     from services.model.qwen2_5_vl import QwenImageConfig, QwenProcessor
@@ -46,7 +47,7 @@ def test_grid_graphs_give_each_picture_its_towers_tokens(tiny_qwen, monkeypatch)
 
     def capture(sizes, run, what, stream=None, pool=None, error_mode="global"):
         (key,) = sizes
-        if key == (1, 4, 8):
+        if key == ((1, 4, 8),):
             raise RuntimeError("capture failed")
         captured.append(key)
         run(key)
@@ -59,18 +60,31 @@ def test_grid_graphs_give_each_picture_its_towers_tokens(tiny_qwen, monkeypatch)
     tower = load_vision_tower(spec, torch.device("cpu"), torch.float32)
     proc = QwenProcessor(QwenImageConfig.load(tiny_qwen))
     gen = torch.Generator().manual_seed(0)
-    sizes = [(56, 56), (56, 112), (56, 56), (112, 56), (84, 168)]  # (h, w): grids 4x4, 4x8, 4x4, 8x4, 6x12
-    pixels = [(torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8),) for h, w in sizes]
-    patches, grid = proc.tower_inputs(pixels, torch.device("cpu"))
-    grided = graphs.GridGraphs(tower, max_graphs=2)
+    # (h, w) -> grids 4x4, 4x8, 8x4, 6x12 (72 patches: over the cap of 64 below)
+    px = {
+        s: (torch.randint(0, 256, (*s, 3), generator=gen, dtype=torch.uint8),)
+        for s in [(56, 56), (56, 112), (112, 56), (84, 168)]
+    }
+    a, b, c, big = px.values()
+    batches = [
+        [a, c, a],  # grids (4x4, 8x4, 4x4)
+        [c, a, a],  # the same grids in another order: one key
+        [b],  # its capture fails, once
+        [a],
+        [big],  # over the patch cap: never captured
+    ]
+    grided = graphs.GridGraphs(tower, max_graphs=2, max_patches=64)
     with torch.inference_mode():
-        want = tower.pictures(patches, grid)
         for n in range(3):
-            got = grided.pictures(patches, grid)
-            assert len(got) == len(want)
-            for g, w in zip(got, want, strict=True):
-                torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-            if n == 0:  # 4x4 came twice in the batch: captured at the second; the rest seen once
-                assert captured == [(1, 4, 4)]
-    assert captured == [(1, 4, 4), (1, 8, 4)]  # 4x8 failed (tried once), 6x12 past the cap of 2
-    assert set(grided._graphs) == {(1, 4, 4), (1, 4, 8), (1, 8, 4)} and grided._graphs[(1, 4, 8)] is None
+            for batch in batches:
+                patches, grid = proc.tower_inputs(batch, torch.device("cpu"))
+                want = tower.pictures(patches, grid)
+                got = grided.pictures(patches, grid)
+                assert len(got) == len(want)
+                for g, w in zip(got, want, strict=True):
+                    torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+            if n == 0:  # the first two batches are one key, seen twice: captured at the second
+                assert captured == [((1, 4, 4), (1, 4, 4), (1, 8, 4))]
+    assert captured == [((1, 4, 4), (1, 4, 4), (1, 8, 4)), ((1, 4, 4),)]  # 4x8 failed (tried once)
+    assert grided._graphs[((1, 4, 8),)] is None
+    assert ((1, 6, 12),) not in grided._graphs and ((1, 6, 12),) not in grided._seen
