@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -255,14 +255,6 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, dim * 3)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).reshape(n, 3, self.heads, -1).unbind(1)  # [N, heads, hd] each
-        cos, sin = cos[:, None], sin[:, None]  # [N, 1, hd], float32: the rotation runs in float32
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
-        return self.proj(attend_segments(q, k, v, seg).reshape(n, -1))
-
 
 class VisionBlock(nn.Module):
     def __init__(self, vc) -> None:
@@ -272,9 +264,58 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(vc.hidden_size, vc.num_heads)
         self.mlp = MLP(vc.hidden_size, vc.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, seg)
-        return x + self.mlp(self.norm2(x))
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Segments, fns: BlockFns
+    ) -> torch.Tensor:
+        q, k, v = fns.before(self, x, cos, sin)
+        return fns.after(self, x, attend_segments(q, k, v, seg).flatten(1))
+
+
+def before_attention(block: VisionBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """norm1, q/k/v and their rotary positions: x [N, D] -> q, k, v [N, heads, hd]. A function of
+    the block, so one compiled graph serves every block (services/vision/graphs.py)."""
+    n, attn = x.shape[0], block.attn
+    q, k, v = attn.qkv(block.norm1(x)).reshape(n, 3, attn.heads, -1).unbind(1)
+    cos, sin = cos[:, None], sin[:, None]  # [N, 1, hd], float32: the rotation runs in float32
+    q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
+    k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
+    return q, k, v
+
+
+def after_attention(block: VisionBlock, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """The attention's projection and residual, then the MLP's: x, a [N, D] -> x [N, D]."""
+    x = x + block.attn.proj(a)
+    return x + block.mlp(block.norm2(x))
+
+
+@dataclass(frozen=True)
+class BlockFns:
+    """How a block runs its work around the attention: eagerly, or compiled on CUDA (where each
+    eager elementwise op is a kernel launch and a pass over memory)."""
+
+    before: Callable = before_attention
+    after: Callable = after_attention
+
+
+EAGER = BlockFns()
+
+
+def compiled_block_fns(backend: str | Callable = "inductor") -> BlockFns:
+    """`BlockFns` compiled once for any number of patches: the rows (dim 0 of every tensor) are
+    marked dynamic and the widths stay static, so the fused kernels index by constants. A
+    224x224 picture's block is some forty kernels eager, most of them elementwise."""
+
+    def rows_dynamic(fn: Callable) -> Callable:
+        graph = torch.compile(fn, backend=backend)
+
+        def call(block: VisionBlock, *tensors: torch.Tensor):
+            for t in tensors:
+                torch._dynamo.mark_dynamic(t, 0)
+            return graph(block, *tensors)
+
+        return call
+
+    return BlockFns(rows_dynamic(before_attention), rows_dynamic(after_attention))
 
 
 class PatchMerger(nn.Module):
@@ -375,23 +416,36 @@ class QwenVisionTower(nn.Module):
         inverse = torch.argsort(lay.window_index).to(device)
         return DeviceLayout(order, inverse, emb.cos(), emb.sin(), lay.windows.on(device), lay.pictures.on(device))
 
-    def forward(self, patches: torch.Tensor, grid: torch.Tensor, lay: DeviceLayout | None = None) -> torch.Tensor:
-        """`lay`: `device_layout(grid, ...)`, made beforehand (a CUDA graph's), else made here."""
+    def forward(
+        self, patches: torch.Tensor, grid: torch.Tensor, lay: DeviceLayout | None = None, fns: BlockFns = EAGER
+    ) -> torch.Tensor:
+        """`lay`: `device_layout(grid, ...)`, made beforehand (a CUDA graph's), else made here;
+        `fns`: the blocks' work around their attention (compiled by services/vision/graphs.py)."""
         lay = lay or self.device_layout(grid, patches.device)
         unit = self.merge * self.merge
         x = self.patch_embed(patches)  # [N, D]
         n = x.shape[0]
         x = x.view(n // unit, unit, -1)[lay.order].reshape(n, -1)  # windows contiguous
         for i, block in enumerate(self.blocks):
-            x = block(x, lay.cos, lay.sin, lay.pictures if i in self.full else lay.windows)
+            x = block(x, lay.cos, lay.sin, lay.pictures if i in self.full else lay.windows, fns)
         return self.merger(x)[lay.inverse]  # back to picture order
 
     def input_shapes(self) -> None:
         return None
 
-    def pictures(self, patches: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
+    @property
+    def patch_width(self) -> int:
+        """One patch's values (3 x t x p x p)."""
+        w = self.patch_embed.proj.weight
+        return w[0].numel()
+
+    def block_fns(self, compiled: bool) -> BlockFns:
+        """The blocks' work around attention: eager, or compiled (`compiled_block_fns`)."""
+        return compiled_block_fns() if compiled else EAGER
+
+    def pictures(self, patches: torch.Tensor, grid: torch.Tensor, fns: BlockFns = EAGER) -> list[torch.Tensor]:
         """The tokens of each picture as its grid [rows, cols, H] (what the mesh hands on)."""
-        return self.split(self(patches, grid), grid)
+        return self.split(self(patches, grid, fns=fns), grid)
 
     def split(self, tokens: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
         """The tower's output [N / m^2, H] for pictures of these grids -> one [rows, cols, H] each."""

@@ -88,3 +88,27 @@ def test_grid_graphs_give_each_picture_its_towers_tokens(tiny_qwen, monkeypatch)
     assert captured == [((1, 4, 4), (1, 4, 4), (1, 8, 4)), ((1, 4, 4),)]  # 4x8 failed (tried once)
     assert grided._graphs[((1, 4, 8),)] is None
     assert ((1, 6, 12),) not in grided._graphs and ((1, 6, 12),) not in grided._seen
+
+
+def test_the_blocks_compile_once_for_pictures_of_any_size(tiny_qwen):
+    """Qwen2.5-VL's blocks compiled with the rows dynamic (services/model/qwen2_5_vl.py
+    compiled_block_fns): the same tokens as eager, and one graph each for the work before and after
+    attention, whatever the pictures' sizes (a recompile per size would stall the vision)."""
+    from services.model.qwen2_5_vl import compiled_block_fns
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fns = compiled_block_fns(backend=counting)
+    tower = load_vision_tower(load_spec(tiny_qwen), torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for grids in [[(1, 16, 16)], [(1, 4, 8), (1, 8, 12)], [(1, 6, 10)]]:
+            grid = torch.tensor(grids)
+            patches = torch.randn(sum(t * h * w for t, h, w in grids), tower.patch_width, generator=gen)
+            torch.testing.assert_close(tower(patches, grid, fns=fns), tower(patches, grid), atol=1e-5, rtol=1e-5)
+    assert len(graphs) == 2, [g.code for g in graphs]
