@@ -1,7 +1,7 @@
 """The graphed vision tower's buffers and buckets, run eagerly on the CPU (CUDA replays the same
 forward from graphs): each image's features equal the tower's own, whatever the batch and its
 padding, and a result keeps its values after the next batch reuses the static output. For every
-family: LLaVA's one input, DeepSeek-VL hybrid's two; Qwen2.5-VL's graphs per picture grid."""
+family: LLaVA's one input, DeepSeek-VL hybrid's two; Qwen2.5-VL's graphs per batch of picture grids."""
 
 from __future__ import annotations
 
