@@ -257,6 +257,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", type=int, default=0, help="also time prefills of this many positions (0: no)")
     p.add_argument("--mixed", type=int, default=16, help="decodes beside one prompt in the mixed prefill step")
     p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=2048,
+        help="the runner's prompt rows a step, as docs/PERF.md's figures were taken; fewer capture fewer "
+        "packed-step graphs, a quicker start where only decodes are timed (default %(default)s)",
+    )
+    p.add_argument(
         "--no-skinny-gemv", dest="skinny_gemv", action="store_false", help="the decode step's linears on cuBLAS"
     )
     p.add_argument(
@@ -277,7 +284,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError:
         p.error(f"--batches {args.batches!r}: give a comma list of batch sizes, e.g. 1,8,32")
     spec = load_spec(args.model)
-    max_prefill = 2048  # the runner's prefill rows a step, as docs/PERF.md's decode_step figures were taken
+    max_prefill = args.max_prefill_tokens
+    if max_prefill < 16:
+        p.error(f"--max-prefill-tokens {max_prefill}: give 16 or more")
     if not 1 < args.context <= spec.text.max_context:
         p.error(f"--context {args.context}: give 2 to the model's context, {spec.text.max_context}")
     if not 0 <= args.prefill <= min(max_prefill, spec.text.max_context):
