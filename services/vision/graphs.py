@@ -95,6 +95,7 @@ MAX_GRID_GRAPHS = 32
 MAX_GRAPH_PATCHES = 8192
 # A batch's grids are captured the second time they come: a one-off does not take a graph's place.
 CAPTURE_AT_SIGHT = 2
+SEEN_KEYS = 4096  # sightings kept before they are forgotten
 
 BatchKey = tuple[tuple[int, int, int], ...]  # a batch's picture grids (t, h, w), sorted
 WARM_GRID = (1, 16, 16)  # a 224x224 picture's, to compile the blocks on before serving
@@ -163,7 +164,7 @@ class GridGraphs:
         key = tuple(grids[i] for i in order)
         entry = self._graph(key, patches, grid, order)
         if entry is None:
-            return self.tower.pictures(patches, grid, fns=self.fns)
+            return self._eager(patches, grid)
         parts = patches.split([t * h * w for t, h, w in grids])
         at = 0
         for i in order:
@@ -176,15 +177,29 @@ class GridGraphs:
             out[i] = tokens[j]
         return out
 
+    def _eager(self, patches: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
+        """One forward of the batch, its blocks compiled; should the compiled blocks fail at a size
+        the start-up did not see, logged, and eager from then on."""
+        try:
+            return self.tower.pictures(patches, grid, fns=self.fns)
+        except Exception:
+            eager = self.tower.block_fns(compiled=False)  # type: ignore[operator]
+            if self.fns is eager:
+                raise
+            log.exception("the vision tower's compiled blocks failed: they run eagerly from now on")
+            self.fns = eager
+            return self.tower.pictures(patches, grid, fns=eager)
+
     def _graph(self, key: BatchKey, patches: torch.Tensor, grid: torch.Tensor, order: list[int]) -> _GridGraph | None:
         """The batch's graph, captured now if this is its time; None: it runs eagerly."""
         if key in self._graphs:
             return self._graphs[key]
-        if patches.shape[0] > self.max_patches:
+        if patches.shape[0] > self.max_patches or sum(g is not None for g in self._graphs.values()) >= self.max_graphs:
             return None
+        if len(self._seen) >= SEEN_KEYS:  # batches of mixed sizes make keys without end: forget the sightings
+            self._seen.clear()
         self._seen[key] += 1
-        captured = sum(g is not None for g in self._graphs.values())
-        if self._seen[key] < CAPTURE_AT_SIGHT or captured >= self.max_graphs:
+        if self._seen[key] < CAPTURE_AT_SIGHT:
             return None
         self._graphs[key] = self._capture(key, patches, grid, order)
         return self._graphs[key]

@@ -112,3 +112,23 @@ def test_the_blocks_compile_once_for_pictures_of_any_size(tiny_qwen):
             patches = torch.randn(sum(t * h * w for t, h, w in grids), tower.patch_width, generator=gen)
             torch.testing.assert_close(tower(patches, grid, fns=fns), tower(patches, grid), atol=1e-5, rtol=1e-5)
     assert len(graphs) == 2, [g.code for g in graphs]
+
+
+def test_compiled_blocks_that_fail_leave_the_batch_to_the_eager_ones(tiny_qwen, caplog):
+    """A compile error at a size the start-up did not see fails no batch: logged, eager from then on."""
+    from services.model.qwen2_5_vl import EAGER, BlockFns
+    from services.vision import graphs
+
+    def broken(*args):
+        raise RuntimeError("inductor could not lower it")
+
+    tower = load_vision_tower(load_spec(tiny_qwen), torch.device("cpu"), torch.float32)
+    grided = graphs.GridGraphs(tower)
+    grided.fns = BlockFns(broken, broken)
+    grid = torch.tensor([(1, 4, 8)])
+    patches = torch.randn(32, tower.patch_width, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got = grided.pictures(patches, grid)
+        want = tower.pictures(patches, grid)
+    torch.testing.assert_close(got[0], want[0])
+    assert grided.fns is EAGER and "run eagerly from now on" in caplog.text
