@@ -88,11 +88,14 @@ class GraphedTower:
         return self
 
 
-# A graph holds its batch's input, output and layout; its activations share one pool. Batches of
-# grids past this many graphs, or of more patches than this (some 19 MB of bf16 input: one
-# 1280x720 picture of Qwen2.5-VL), run eagerly: pictures that large are bound by arithmetic.
+# A graph holds its batch's input, output and layout (some 4 KB a patch in bf16 for Qwen2.5-VL-7B);
+# its activations share one pool. A batch of more patches than MAX_GRAPH_PATCHES (a 1280x720
+# picture is 4,800) runs eagerly, since pictures that large are bound by arithmetic. So do
+# batches past MAX_GRID_GRAPHS graphs or MAX_GRAPHED_PATCHES in all (about 130 MB): traffic of
+# mixed sizes must not grow the GPU memory for long.
 MAX_GRID_GRAPHS = 32
 MAX_GRAPH_PATCHES = 8192
+MAX_GRAPHED_PATCHES = 32768
 # A batch's grids are captured the second time they come: a one-off does not take a graph's place.
 CAPTURE_AT_SIGHT = 2
 SEEN_KEYS = 4096  # sightings kept before they are forgotten
@@ -120,7 +123,7 @@ class GridGraphs:
     a replay per picture would cost a batch of eight 80 ms where one eager forward of the eight
     packed costs 25, so the key is the whole batch's grids, sorted (the pictures are reordered
     into the graph and their tokens back). A key is captured the second time it comes (some
-    three eager runs' time, once), up to MAX_GRID_GRAPHS of at most MAX_GRAPH_PATCHES each, all
+    three eager runs' time, once), within the caps above (count, patches each, patches in all), all
     in one memory pool and replayed one at a time (the vision's one encoding thread). A batch
     without a graph (new, past the caps, or its capture failed: logged) runs as one eager forward.
     On CUDA the blocks' work around their attention is compiled first, once for any size (the
@@ -194,7 +197,9 @@ class GridGraphs:
         """The batch's graph, captured now if this is its time; None: it runs eagerly."""
         if key in self._graphs:
             return self._graphs[key]
-        if patches.shape[0] > self.max_patches or sum(g is not None for g in self._graphs.values()) >= self.max_graphs:
+        held = [g.patches.shape[0] for g in self._graphs.values() if g is not None]
+        n = patches.shape[0]
+        if n > self.max_patches or len(held) >= self.max_graphs or sum(held) + n > MAX_GRAPHED_PATCHES:
             return None
         if len(self._seen) >= SEEN_KEYS:  # batches of mixed sizes make keys without end: forget the sightings
             self._seen.clear()

@@ -132,3 +132,32 @@ def test_compiled_blocks_that_fail_leave_the_batch_to_the_eager_ones(tiny_qwen, 
         want = tower.pictures(patches, grid)
     torch.testing.assert_close(got[0], want[0])
     assert grided.fns is EAGER and "run eagerly from now on" in caplog.text
+
+
+def test_graphs_stop_at_the_patches_they_may_hold_in_all(tiny_qwen, monkeypatch):
+    """Keys past MAX_GRAPHED_PATCHES in all run eagerly, however often they come (GPU memory stays flat)."""
+    import types
+
+    from services.vision import graphs
+
+    captured = []
+
+    def capture(sizes, run, what, stream=None, pool=None, error_mode="global"):
+        (key,) = sizes
+        captured.append(key)
+        run(key)
+        return {key: types.SimpleNamespace(replay=lambda: run(key))}
+
+    monkeypatch.setattr(graphs, "capture_graphs", capture)
+    monkeypatch.setattr(graphs, "MAX_GRAPHED_PATCHES", 60)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
+    tower = load_vision_tower(load_spec(tiny_qwen), torch.device("cpu"), torch.float32)
+    grided = graphs.GridGraphs(tower)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for grids in [[(1, 4, 4)], [(1, 4, 8)], [(1, 4, 4), (1, 4, 4)]] * 3:  # 16, 32 and 32 patches
+            grid = torch.tensor(grids)
+            patches = torch.randn(sum(t * h * w for t, h, w in grids), tower.patch_width, generator=gen)
+            torch.testing.assert_close(grided.pictures(patches, grid)[0], tower.pictures(patches, grid)[0])
+    assert captured == [((1, 4, 4),), ((1, 4, 8),)]  # 48 held: the third key's 32 would pass 60
