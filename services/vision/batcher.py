@@ -53,6 +53,13 @@ class Member:
             self.done = True
             self.group._arrive()
 
+    def come(self) -> Group | None:
+        """Its group, to wait with, as it comes to the batcher; None if it left before."""
+        if self.done:
+            return None
+        self.leave()  # no longer pending, either way
+        return self.group
+
 
 @dataclass
 class _Item:
@@ -106,12 +113,9 @@ class VisionBatcher:
 
     async def submit(self, pixels: Pixels, qos: QosLevel, member: Member | None = None) -> EncodeResult:
         future = asyncio.get_running_loop().create_future()
-        group = None if member is None or member.done else member.group
+        group = member.come() if member is not None else None
         item = _Item(qos, next(self._seq), pixels, future, time.perf_counter(), telemetry.current_context(), group)
-        self._waiting.append(item)
-        if group is not None:
-            member.done = True  # type: ignore[union-attr]
-            group._arrive()
+        self._waiting.append(item)  # before the loop runs again (no await since the group's wake-up)
         metrics.QUEUE_DEPTH.labels("vision", qos.wire).inc()
         self._wake.set()
         result = await future
