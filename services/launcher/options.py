@@ -85,6 +85,13 @@ class MeshOptions:
         "kernels share the GPU instead of time-slicing it; they then share its fault domain too "
         "(services/launcher/mps.py) (default %(default)s)",
     )
+    vision_mps_percent: int = flag(
+        "--vision-mps-percent",
+        default=0,
+        help="with --cuda-mps, the share of the GPU's SMs the vision's kernels may take "
+        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, 1-100), so a heavy tower leaves room for the llm's decode "
+        "steps beside it; 0: no limit (default %(default)s)",
+    )
     start_timeout_s: float = flag(
         "--start-timeout-s",
         default=600.0,

@@ -96,6 +96,8 @@ class Mesh:
         env.update({**self.opts.extra_env, **(self._mps.env if self._mps else {})})
         if name == "gateway":
             env[WARMUP_KEY_ENV] = self._warmup_key
+        if name == "vision" and self._mps and self.opts.vision_mps_percent:
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.opts.vision_mps_percent)
         with signals_held():  # a SIGTERM now must find the child in self.children
             child = Child(name, spawn(cmd, env))
             self.children.append(child)

@@ -44,7 +44,9 @@ def test_the_mesh_starts_a_daemon_gives_its_children_the_pipe_and_quits_it(fake_
         def poll(self):
             return 0
 
-    opts = MeshOptions.from_flags(model="/m", gateway_port=0, vision_port=0, llm_port=0, cuda_mps=True)
+    opts = MeshOptions.from_flags(
+        model="/m", gateway_port=0, vision_port=0, llm_port=0, cuda_mps=True, vision_mps_percent=40
+    )
     mesh = supervisor.Mesh(opts)
     said = []
     try:
@@ -57,6 +59,8 @@ def test_the_mesh_starts_a_daemon_gives_its_children_the_pipe_and_quits_it(fake_
     finally:
         mesh.stop()
     assert envs["vision"]["CUDA_MPS_PIPE_DIRECTORY"] == envs["llm"]["CUDA_MPS_PIPE_DIRECTORY"] == pipe
+    assert envs["vision"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"  # --vision-mps-percent: the vision alone
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in envs["llm"]
     assert "MPS control daemon started" in said[0]
     calls = fake_control.read_text()
     assert calls.splitlines() == ["args=-d", f"pipe={pipe}", "args=", f"pipe={pipe}", "stdin=quit"]
@@ -86,6 +90,8 @@ def test_a_missing_binary_or_a_failed_start_is_a_clear_error(fake_control, tmp_p
     [
         (["--device", "cpu"], "not with --device cpu"),
         (["--device", "cuda", "--variants", "full=70,int8=30"], "not with --variants"),
+        (["--device", "cuda", "--vision-mps-percent", "101"], "--vision-mps-percent 101: give 1-100"),
+        (["--device", "cuda", "--no-cuda-mps", "--vision-mps-percent", "40"], "with --cuda-mps"),
     ],
 )
 def test_up_refuses_cuda_mps_where_it_cannot_work(flags, why, capsys):
