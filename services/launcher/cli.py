@@ -287,8 +287,8 @@ def _checked_options(argv: Sequence[str]) -> MeshOptions:
         p.error(str(err))
     if options.tls_throwaway_ca and options.gateway.server.tls_cert:
         p.error("--tls-throwaway-ca makes its own certificate: not with --tls-cert")
-    if options.vision_mps_percent and not (options.cuda_mps and 1 <= options.vision_mps_percent <= 100):
-        p.error(f"--vision-mps-percent {options.vision_mps_percent}: give 1-100, with --cuda-mps (0: no limit)")
+    if options.vision_mps_percent and not options.cuda_mps:
+        p.error(f"--vision-mps-percent {options.vision_mps_percent}: only with --cuda-mps (it limits an MPS client)")
     if options.cuda_mps and options.llm.model.device == "cpu":
         p.error("--cuda-mps: not with --device cpu (MPS shares a GPU)")
     if options.variants:

@@ -114,6 +114,8 @@ class MeshOptions:
         """The launcher's own flags (ValueError names the flag); each service's config checks its own."""
         if not self.start_timeout_s > 0:
             raise ValueError(f"--start-timeout-s {self.start_timeout_s} must be > 0 (seconds)")
+        if not 0 <= self.vision_mps_percent <= 100:
+            raise ValueError(f"--vision-mps-percent {self.vision_mps_percent}: give 1-100 (0: no limit)")
         check_placement(self.placement, self.gpus, self.llm.model.device, self.variants)
 
     def configs(self) -> dict[str, GatewayConfig | VisionConfig | LlmConfig]:
