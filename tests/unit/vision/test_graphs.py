@@ -91,10 +91,10 @@ def test_grid_graphs_give_each_picture_its_towers_tokens(tiny_qwen, monkeypatch)
 
 
 def test_the_blocks_compile_once_for_pictures_of_any_size(tiny_qwen):
-    """Qwen2.5-VL's blocks compiled with the rows dynamic (services/model/qwen2_5_vl.py
+    """Qwen2.5-VL's blocks compiled with the rows dynamic (services/model/qwen_vit.py
     compiled_block_fns): the same tokens as eager, and one graph each for the work before and after
     attention, whatever the pictures' sizes (a recompile per size would stall the vision)."""
-    from services.model.qwen2_5_vl import compiled_block_fns
+    from services.model.qwen_vit import compiled_block_fns
 
     graphs = []
 
@@ -116,7 +116,7 @@ def test_the_blocks_compile_once_for_pictures_of_any_size(tiny_qwen):
 
 def test_compiled_blocks_that_fail_leave_the_batch_to_the_eager_ones(tiny_qwen, caplog):
     """A compile error at a size the start-up did not see fails no batch: logged, eager from then on."""
-    from services.model.qwen2_5_vl import EAGER, BlockFns
+    from services.model.qwen_vit import EAGER, BlockFns
     from services.vision import graphs
 
     def broken(*args):
