@@ -4,8 +4,8 @@ codes (the int8 variant's) or e4m3 (the fp8 variant's decode rows).
 
 Timed as the engine runs it: a CUDA graph of `--layers` launches over as many distinct weights
 (so none is read from L2), replayed; the time per launch is the replay's over the launches.
-Every config of a small grid (split along K or not) is tried and checked against an fp64 reference. The table gives
-the bytes-read floor of the int8 weight at the copy bandwidth of `--bandwidth` (TB/s), bf16
+Every config of a small grid (split along K or not) is tried and checked against an fp64
+reference. The table gives the bytes-read floor of the int8 weight at the copy bandwidth of `--bandwidth` (TB/s), bf16
 cuBLAS, the dequantizing path, the best config (at one row gemv's one-row kernel too, scaled) and the op as it
 picks (its time includes a copy of the output).
 

@@ -1,5 +1,6 @@
 """The vision tower (the family's ViT(s) + projector) in CUDA graphs: one per batch bucket
-(`GraphedTower`), or, where pictures take tokens by their size, one per batch of picture grids (`GridGraphs`).
+(`GraphedTower`), or, where pictures take tokens by their size, one per batch of picture grids
+(`GridGraphs`).
 
 Eager, the tower launches some fifteen kernels per ViT layer from Python, and for one image
 the launching, not the GPU's arithmetic, sets the vision stage's time (docs/PERF.md). Captured,
@@ -116,18 +117,18 @@ class _GridGraph:
 class GridGraphs:
     """A tower whose pictures take tokens by their size (Qwen2.5-VL) in a CUDA graph per batch of grids.
 
-    Eager, such a tower launches some fifty kernels a layer from Python: 39-57 ms for one 224x224
-    picture of Qwen2.5-VL-7B on an H100 (docs/PERF.md). The grids of a batch's pictures (t, h, w
+    Eager, such a tower launches some fifty kernels a layer from Python, and for small pictures
+    the launching sets the vision's time (docs/PERF.md). The grids of a batch's pictures (t, h, w
     in patches) fix every shape and window, so one graph per set of grids replays the batch.
-    Captured, a small picture is still some 1,300 small kernels (10.4 ms for one 224x224 picture):
-    a replay per picture would cost a batch of eight 80 ms where one eager forward of the eight
-    packed costs 25, so the key is the whole batch's grids, sorted (the pictures are reordered
-    into the graph and their tokens back). A key is captured the second time it comes (some
-    three eager runs' time, once), within the caps above (count, patches each, patches in all), all
-    in one memory pool and replayed one at a time (the vision's one encoding thread). A batch
-    without a graph (new, past the caps, or its capture failed: logged) runs as one eager forward.
-    On CUDA the blocks' work around their attention is compiled first, once for any size (the
-    rows dynamic), to cut the kernels a block launches (its elementwise ops fused).
+    Captured, a small picture is still bound by its many small kernels, so a replay per picture
+    made a batch cost more than one eager forward of it packed (docs/PERF.md): the key is the
+    whole batch's grids, sorted (the pictures are reordered into the graph and their tokens back).
+    A key is captured the second time it comes (some three eager runs' time, once), within the
+    caps above (count, patches each, patches in all), all in one memory pool and replayed one at a
+    time (the vision's one encoding thread). A batch without a graph (new, past the caps, or its
+    capture failed: logged) runs as one eager forward. On CUDA the blocks' work around their
+    attention is compiled first, once for any size (the rows dynamic), to cut the kernels a block
+    launches (its elementwise ops fused).
     """
 
     def __init__(
@@ -138,9 +139,8 @@ class GridGraphs:
         self._pool = self._stream = None  # made at the first capture
         self._graphs: dict[BatchKey, _GridGraph | None] = {}  # None: its capture failed
         self._seen: Counter[BatchKey] = Counter()
-        self.fns = tower.block_fns(compiled=False)  # type: ignore[operator]
-        if self.device.type == "cuda":
-            self.fns = self._compile()
+        self.eager_fns = tower.block_fns(compiled=False)  # type: ignore[operator]
+        self.fns = self._compile() if self.device.type == "cuda" else self.eager_fns
 
     @torch.inference_mode()
     def _compile(self):
@@ -154,7 +154,7 @@ class GridGraphs:
             self.tower(patches, grid, fns=fns)
         except Exception:
             log.exception("the vision tower's blocks could not be compiled: they run eagerly")
-            return self.tower.block_fns(compiled=False)  # type: ignore[operator]
+            return self.eager_fns
         log.info("vision tower's blocks compiled in %.1f s", time.perf_counter() - t0)
         return fns
 
@@ -165,14 +165,11 @@ class GridGraphs:
         grids = [tuple(g) for g in grid.tolist()]
         order = sorted(range(len(grids)), key=grids.__getitem__)
         key = tuple(grids[i] for i in order)
-        entry = self._graph(key, patches, grid, order)
+        parts = patches.split([t * h * w for t, h, w in grids])
+        entry = self._graph(key, [parts[i] for i in order], grid[order])
         if entry is None:
             return self._eager(patches, grid)
-        parts = patches.split([t * h * w for t, h, w in grids])
-        at = 0
-        for i in order:
-            entry.patches[at : at + parts[i].shape[0]].copy_(parts[i])
-            at += parts[i].shape[0]
+        torch.cat([parts[i] for i in order], out=entry.patches)  # into the graph, in the key's order
         entry.graph.replay()
         tokens = self.tower.split(entry.tokens.clone(), entry.grid)  # the key's order
         out: list[torch.Tensor] = [tokens[0]] * len(grids)
@@ -186,19 +183,19 @@ class GridGraphs:
         try:
             return self.tower.pictures(patches, grid, fns=self.fns)
         except Exception:
-            eager = self.tower.block_fns(compiled=False)  # type: ignore[operator]
-            if self.fns is eager:
+            if self.fns is self.eager_fns:
                 raise
             log.exception("the vision tower's compiled blocks failed: they run eagerly from now on")
-            self.fns = eager
-            return self.tower.pictures(patches, grid, fns=eager)
+            self.fns = self.eager_fns
+            return self.tower.pictures(patches, grid, fns=self.fns)
 
-    def _graph(self, key: BatchKey, patches: torch.Tensor, grid: torch.Tensor, order: list[int]) -> _GridGraph | None:
-        """The batch's graph, captured now if this is its time; None: it runs eagerly."""
+    def _graph(self, key: BatchKey, parts: list[torch.Tensor], grids: torch.Tensor) -> _GridGraph | None:
+        """The batch's graph (`parts` and `grids` in the key's order), captured now if this is its
+        time; None: it runs eagerly."""
         if key in self._graphs:
             return self._graphs[key]
         held = [g.patches.shape[0] for g in self._graphs.values() if g is not None]
-        n = patches.shape[0]
+        n = sum(p.shape[0] for p in parts)
         if n > self.max_patches or len(held) >= self.max_graphs or sum(held) + n > MAX_GRAPHED_PATCHES:
             return None
         if len(self._seen) >= SEEN_KEYS:  # batches of mixed sizes make keys without end: forget the sightings
@@ -206,16 +203,14 @@ class GridGraphs:
         self._seen[key] += 1
         if self._seen[key] < CAPTURE_AT_SIGHT:
             return None
-        self._graphs[key] = self._capture(key, patches, grid, order)
+        self._graphs[key] = self._capture(key, parts, grids)
         return self._graphs[key]
 
-    def _capture(self, key: BatchKey, patches: torch.Tensor, grid: torch.Tensor, order: list[int]) -> _GridGraph | None:
+    def _capture(self, key: BatchKey, parts: list[torch.Tensor], grids: torch.Tensor) -> _GridGraph | None:
         try:
             if self._pool is None:
                 self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
-            grids = grid[order]
-            parts = patches.split([t * h * w for t, h, w in grid.tolist()])
-            static = torch.cat([parts[i] for i in order])
+            static = torch.cat(parts)
             layout = self.tower.device_layout(grids, self.device)
             out = {}
 
