@@ -39,6 +39,7 @@ from services.bench.report import (
     cache_table,
     cell,
     compare_seeds,
+    cpu_table,
     plot,
     qos_table,
     summarize_run,
@@ -77,24 +78,39 @@ def environment(model: str, event_loop: str) -> dict:
     }
 
 
-def server_cpu_s(pids: list[int]) -> float:
-    """CPU seconds used so far by these processes and all their children."""
+def server_cpu_s(procs: list[tuple[str, int]]) -> dict[str, float]:
+    """CPU seconds used so far by each server (its process and all their children), by name; the
+    processes of one name (each variant's llm, say) summed."""
     import psutil
 
-    total = 0.0
-    for pid in pids:
+    used: dict[str, float] = {}
+    for name, pid in procs:
         try:
             root = psutil.Process(pid)
             for proc in [root, *root.children(recursive=True)]:
                 t = proc.cpu_times()
-                total += t.user + t.system
+                used[name] = used.get(name, 0.0) + t.user + t.system
         except psutil.Error:
             continue
-    return total
+    return used
+
+
+def cpu_cores(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """Each server's CPU use in cores between two `server_cpu_s` readings `wall_s` apart: one core
+    is a process's whole share of its GIL-bound thread (where the host is what limits it)."""
+    return {name: (after[name] - before.get(name, 0.0)) / wall_s for name in sorted(after)}
 
 
 async def run_target(
-    name: str, args, workloads, rates, qos_mix, tokenizer, endpoints: dict, pids: list[int], first_run: int = 1
+    name: str,
+    args,
+    workloads,
+    rates,
+    qos_mix,
+    tokenizer,
+    endpoints: dict,
+    procs: list[tuple[str, int]],
+    first_run: int = 1,
 ):
     """Every workload at every level against one target; runs are numbered from `first_run` (their
     distinct images, see RequestFactory; 0 is the same-answer check's)."""
@@ -120,7 +136,7 @@ async def run_target(
                 await target.warm_up(RequestFactory(WORKLOADS[wl], tokenizer, args.seed, qos_mix).make(10**9))
             for kind, level in [("rate", r) for r in rates] + [("closed", c) for c in closed]:
                 factory = RequestFactory(WORKLOADS[wl], tokenizer, args.seed, qos_mix, run=first_run + len(runs))
-                cpu0, wall0 = server_cpu_s(pids), time.perf_counter()
+                cpu0, wall0 = server_cpu_s(procs), time.perf_counter()
                 if kind == "rate":
                     recs, client = await run_open_loop(target, factory, level, args.duration, args.seed, f"{name} {wl}")
                     key = f"{name} {wl} {level:g}/s"
@@ -130,8 +146,10 @@ async def run_target(
                 summary = summarize_run(recs, level if kind == "rate" else 0.0, args.duration, args.warmup, client)
                 if kind == "closed":
                     summary["concurrency"] = level
-                if pids:
-                    summary["server_cpu_cores"] = (server_cpu_s(pids) - cpu0) / (time.perf_counter() - wall0)
+                if procs:
+                    cores = cpu_cores(cpu0, server_cpu_s(procs), time.perf_counter() - wall0)
+                    summary["server_cpu_cores"] = sum(cores.values())
+                    summary["service_cpu_cores"] = cores
                 run = {"target": name, "workload": wl, "prompt_tokens": factory.prompt_tokens, "summary": summary}
                 runs.append(run)
                 records[key] = recs
@@ -207,7 +225,7 @@ def serve(name: str, args, say, http: bool = False):
     """Start what a target talks to (the mesh, or vLLM's server) for the length of the block;
     `http`: the mesh's HTTP door too (for mesh-http).
 
-    Yields ({target: endpoint}, server pids); no endpoint for targets that run in this process.
+    Yields ({target: endpoint}, the servers' (name, pid)); no endpoint for targets that run in this process.
     """
     if name in ("mesh", "mesh-http") and args.gateway is None:
         from services.launcher import MeshOptions
@@ -221,7 +239,7 @@ def serve(name: str, args, say, http: bool = False):
             endpoints = {"mesh": front, **({"mesh-http": mesh.http_url()} if http else {})}
             if args.tls:
                 endpoints["mesh-ca"] = mesh.opts.gateway.server.tls_ca
-            yield endpoints, [c.proc.pid for c in mesh.children]
+            yield endpoints, [(c.name, c.proc.pid) for c in mesh.children]
         finally:
             mesh.stop()
     elif name in ("mesh", "mesh-http"):
@@ -233,7 +251,7 @@ def serve(name: str, args, say, http: bool = False):
         server = VllmServer(args.model, load_spec(args.model).text.max_context)
         try:
             server.wait_ready(say)
-            yield {"vllm": server.base}, server.pids
+            yield {"vllm": server.base}, [("vllm", pid) for pid in server.pids]
         finally:
             server.stop()
     else:
@@ -286,10 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     runs, records = [], {}
     for group in groups(targets):
-        with serve(group[0], args, say, http="mesh-http" in group) as (endpoints, pids):
+        with serve(group[0], args, say, http="mesh-http" in group) as (endpoints, procs):
             for name in group:
                 r, rec = eventloop.run(
-                    run_target(name, args, workloads, rates, qos_mix, tokenizer, endpoints, pids, 1 + len(runs)),
+                    run_target(name, args, workloads, rates, qos_mix, tokenizer, endpoints, procs, 1 + len(runs)),
                     args.event_loop,
                 )
                 runs += r
@@ -305,4 +323,6 @@ def main(argv: list[str] | None = None) -> int:
         print(classes)
     if caches := cache_table(runs):
         print(caches)
+    if cpus := cpu_table(runs):
+        print(cpus)
     return 0 if all(r["summary"]["lost"] == 0 for r in runs) else 1

@@ -164,6 +164,24 @@ def cache_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cpu_table(runs: list[dict]) -> str:
+    """One line per run of the servers' CPU use by service, in cores: a process near one core is
+    held by its own host work (Python under one GIL), whatever its GPU could do."""
+    names = sorted({name for r in runs for name in r["summary"].get("service_cpu_cores", {})})
+    if not names:
+        return ""
+    lines = [f"{'target':<10}{'wl':<4}{'load':>6}" + "".join(f"{n[:9]:>10}" for n in names)]
+    for r in runs:
+        cores = r["summary"].get("service_cpu_cores")
+        if cores:
+            lines.append(
+                f"{r['target']:<10}{r['workload']:<4}{_load(r['summary']):>6}"
+                + "".join(f"{cell(cores.get(n), '.2f'):>10}" for n in names)
+            )
+    lines.append("CPU use in cores by server process (its children included) over each run")
+    return "\n".join(lines)
+
+
 def _load(summary: dict) -> str:
     return f"x{summary['concurrency']}" if "concurrency" in summary else f"{summary['offered_rps']:g}"
 

@@ -12,6 +12,7 @@ from services.bench.report import (
     FEW_SAMPLES,
     cache_table,
     compare_seeds,
+    cpu_table,
     plot,
     qos_table,
     summarize_run,
@@ -57,7 +58,7 @@ def test_a_run_with_figures_missing_writes_null_and_every_reader_copes(tmp_path)
     assert row[8:12] == ["-", "-", "-", "-"]  # TTFT and TPOT
     best_effort = next(line for line in qos_table(runs).splitlines() if "best-effort" in line)
     assert best_effort.split()[5:8] == ["-", "-", "-"]
-    assert cache_table(runs) == ""
+    assert cache_table(runs) == "" and cpu_table(runs) == ""  # in-process: no servers
     assert "hf" in compare_seeds(runs)
     assert all(p.stat().st_size > 1000 for p in plot(tmp_path, runs, records, 0.5))
 
@@ -95,3 +96,25 @@ def test_a_qos_class_p99_over_few_requests_is_marked_and_explained():
     # With enough requests in every class, no note.
     summary = summarize_run(recs[few:], 10.0, 5.0, 0.5, {})
     assert "*" not in qos_table([{"target": "mesh", "workload": "W1", "summary": summary}])
+
+
+def test_each_servers_cpu_is_its_own_share_and_the_variants_of_one_service_are_summed():
+    import os
+
+    from services.bench.cli import cpu_cores, server_cpu_s
+
+    before = {"gateway": 1.0, "llm": 10.0}
+    after = {"gateway": 1.5, "llm": 12.0, "vision": 0.25}  # vision restarted: no earlier reading
+    assert cpu_cores(before, after, 2.0) == {"gateway": 0.25, "llm": 1.0, "vision": 0.125}
+    me = os.getpid()
+    one, two = server_cpu_s([("llm", me)])["llm"], server_cpu_s([("llm", me), ("llm", me)])["llm"]
+    assert two >= 2 * one > 0  # two processes of one name add up
+    assert server_cpu_s([("gone", 2**22 + 7)]) == {}  # a process that ended is left out
+    runs = [
+        {"target": "mesh", "workload": "W1", "summary": {"offered_rps": 80.0, "service_cpu_cores": after}},
+        {"target": "mesh", "workload": "W1", "summary": {"offered_rps": 100.0, "service_cpu_cores": before}},
+    ]
+    head, first, second = cpu_table(runs).splitlines()[:3]
+    assert head.split() == ["target", "wl", "load", "gateway", "llm", "vision"]
+    assert first.split() == ["mesh", "W1", "80", "1.50", "12.00", "0.25"]
+    assert second.split() == ["mesh", "W1", "100", "1.00", "10.00", "-"]
