@@ -35,6 +35,9 @@ from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS
 from services.model.prompt import PromptBuilder
 from services.model.spec import load_spec
 
+# A step's host time, split as the step trace does: planning before the launch, the launch (staging
+# the inputs; no model), the postprocess.
+PARTS = ("gap", "run", "post")
 PAGE_SIZE = 16  # KV positions a page: the pool holds --batch sequences of the model's context, never written
 
 
@@ -71,10 +74,16 @@ async def measure(model: str, batch: int, tokens: int, stop: tuple[str, ...]) ->
                 pass
         engine.stop()  # flushes the trace
         steps = [json.loads(line) for line in trace.read_text().splitlines()]
-    full = [s["gap_ms"] + s["run_ms"] + s["post_ms"] for s in steps if s["decodes"] == batch]
+    full = [s for s in steps if s["decodes"] == batch]
     if not full:
         raise SystemExit(f"no step ran the whole batch of {batch}: give --tokens more than 1")
-    return {"batch": batch, "steps": len(full), "median_ms": statistics.median(full)}
+    parts = {part: statistics.median(s[f"{part}_ms"] for s in full) for part in PARTS}
+    return {
+        "batch": batch,
+        "steps": len(full),
+        "median_ms": statistics.median(sum(s[f"{part}_ms"] for part in PARTS) for s in full),
+        **{f"{part}_ms": ms for part, ms in parts.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--batch takes 1 or more, --tokens 2 or more (the first token comes from the prompt's step)")
     result = asyncio.run(measure(args.model, args.batch, args.tokens, tuple(args.stop)))
     batch, ms, n = result["batch"], result["median_ms"], result["steps"]
-    print(f"engine host time per step at batch {batch}: {ms:.3f} ms (median of {n})")
+    split = ", ".join(f"{part} {result[f'{part}_ms']:.3f}" for part in PARTS)
+    print(f"engine host time per step at batch {batch}: {ms:.3f} ms (median of {n}; medians: {split})")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,14 @@ def test_soak_with_pictures_of_mixed_sizes_through_qwen(tmp_path, tiny_qwen):
 
 def test_engine_host_times_the_engine_thread_with_the_model_taken_out():
     result = tool("bench.engine_host", "--model", DEMO, "--batch", "4", "--tokens", "8")
-    assert re.fullmatch(r"engine host time per step at batch 4: \d+\.\d{3} ms \(median of \d+\)\n", result.stdout)
+    line = re.fullmatch(
+        r"engine host time per step at batch 4: (\d+\.\d{3}) ms \(median of \d+; "
+        r"medians: gap (\d+\.\d{3}), run (\d+\.\d{3}), post (\d+\.\d{3})\)\n",
+        result.stdout,
+    )
+    assert line, result.stdout
+    whole, *parts = map(float, line.groups())
+    assert whole > 0 and all(p > 0 for p in parts), parts  # a step plans, stages and postprocesses something
 
 
 def test_grpc_chain_runs_each_variant_of_the_bare_chain(tmp_path):
