@@ -72,6 +72,7 @@ LLM_FLAGS = (
     "prefill",
     "skinny_gemv",
     "enforce_eager",
+    "step_trace",
 )
 GATEWAY_FLAGS = (
     "tenants",

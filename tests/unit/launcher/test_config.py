@@ -193,7 +193,7 @@ def test_up_passes_its_flags_to_each_child():
     argv += ["--device", "cpu", "--dtype", "float32", "--threads", "2", "--max-vision-batch", "3"]
     argv += ["--ready-signal", "event", "--llm-engine", "native", "--max-llm-batch", "5"]
     argv += ["--vllm-kv-cache-gib", "1.5", "--tenants", str(TENANTS), "--max-in-flight", "best-effort=4"]
-    argv += ["--vision-port", "0", "--metrics-ports", "1,-1,0"]
+    argv += ["--vision-port", "0", "--metrics-ports", "1,-1,0", "--step-trace", "/tmp/steps.jsonl"]
     opts = cli.options_from_args(cli.build_parser().parse_args(argv))
     for name, cfg in opts.configs().items():
         assert cfg.server.host == "0.0.0.0" and cfg.server.log_level == "debug"
@@ -204,6 +204,7 @@ def test_up_passes_its_flags_to_each_child():
     assert opts.vision.model == opts.llm.model == ModelConfig(path="/m", device="cpu", dtype="float32", threads=2)
     assert (opts.vision.max_batch, opts.vision.ready_signal) == (3, "event")
     assert (opts.llm.max_batch, opts.llm.vllm_kv_cache_gib) == (5, 1.5)
+    assert opts.llm.native.step_trace == "/tmp/steps.jsonl"  # what vlmesh bench --mesh-flags can ask for
     assert opts.gateway.tenants == str(TENANTS)
     assert opts.gateway.admission.parallelism == 5  # the llm's batch
     assert opts.gateway.admission.max_in_flight == {
