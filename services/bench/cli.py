@@ -96,8 +96,8 @@ def server_cpu_s(procs: list[tuple[str, int]]) -> dict[str, float]:
 
 
 def cpu_cores(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
-    """Each server's CPU use in cores between two `server_cpu_s` readings `wall_s` apart: one core
-    is a process's whole share of its GIL-bound thread (where the host is what limits it)."""
+    """Each server's CPU use in cores between two `server_cpu_s` readings `wall_s` apart (a server
+    missing from `before` counts from zero)."""
     return {name: (after[name] - before.get(name, 0.0)) / wall_s for name in sorted(after)}
 
 
