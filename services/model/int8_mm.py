@@ -62,14 +62,17 @@ def pick(m: int, n: int, fp8: bool = False) -> Config:
     rows are bound by reading Q: narrow tiles of output channels, so that even 4096 channels make
     128 programs, and long loads along K; the widest (gate/up) twice the channels. Prefill-sized
     rows are bound by compute: square tiles that reuse each loaded tile of Q across 128 rows.
-    e4m3's best decode tiles differ (H100): longer loads for the narrow shapes at 16 rows,
-    shorter ones at 32, with q/k/v's and gate/up's channels (over 8192) in 64s.
+    e4m3's best decode tiles differ (H100): from 16 to 32 rows, channels in 64s with K split
+    across programs (o, down; q/k/v at 32), gate/up's longer loads unsplit.
     """
     wide = n > 16384
     if fp8 and m <= 16:
-        return Config(16, 64, 128, 8, 4) if wide else Config(16, 32, 512 if n <= 8192 else 256, 4, 4)
+        if n <= 8192:  # o, down: K split in 4, as at 32 rows
+            return Config(16, 64, 128, 4, 4, 4)
+        return Config(16, 64, 128, 8, 4) if wide else Config(16, 32, 256, 4, 4)
     if fp8 and m <= 32:
-        return Config(32, 64 if n > 8192 else 32, 128, 4, 4)
+        # K split in 4 (2 for q/k/v): 4096 outputs in 64s make only 64 programs for 132 SMs.
+        return Config(32, 64, 256, 4, 3) if wide else Config(32, 64, 128, 4, 4, 2 if n > 8192 else 4)
     if m <= 16:
         return Config(16, 64 if wide else 32, 256, 4, 4)
     if m <= 64:
