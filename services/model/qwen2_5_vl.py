@@ -214,7 +214,7 @@ class Qwen25VL:
         return QwenVisionTower(spec.vision.config)  # type: ignore[attr-defined]
 
     def prepare_tower(self, tower: nn.Module) -> None:
-        pass  # it runs as loaded
+        tower.fuse_projections()  # type: ignore[operator]
 
     def image_processor(self, spec: ModelSpec, resize_on: torch.device | None = None) -> QwenProcessor:
         return QwenProcessor(spec.vision.images, resize_on)  # type: ignore[attr-defined]

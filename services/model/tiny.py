@@ -406,7 +406,7 @@ def build_tiny_qwen2_5_vl(out_dir: str | Path, seed: int = 0, context: int = 102
     vision = {
         "depth": 4,
         "hidden_size": 32,
-        "intermediate_size": 64,
+        "intermediate_size": 60,  # not a multiple of 8, as the 7B's 3,420: the tower pads it (qwen_vit.ALIGN)
         "num_heads": 2,
         "patch_size": 14,
         "window_size": 56,

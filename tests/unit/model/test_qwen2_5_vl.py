@@ -54,6 +54,9 @@ def test_the_tower_gives_transformers_image_features(tiny_qwen):
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_qwen, dtype=torch.float32).eval()
     tower = QwenVisionTower(hf.config.vision_config)
     tower.load_state_dict(hf.model.visual.state_dict())
+    tower.fuse_projections()
+    width = hf.config.vision_config.intermediate_size
+    assert width % 8 and tower.blocks[0].mlp.width == -(-width // 64) * 64  # padded with zero weights
     proc = QwenProcessor(QwenImageConfig.load(tiny_qwen))
     imgs = [picture(10 + i, h, w) for i, (h, w) in enumerate(SIZES)]
     patches, grid = proc.tower_inputs([proc.pixels(img, "x") for img in imgs], torch.device("cpu"))
