@@ -49,8 +49,8 @@ def envoy_binary() -> str:
 
 
 def variant_options(opts: MeshOptions, variant: Variant, device: str | None = None) -> MeshOptions:
-    """The worker of one variant: every port free, its llm quantized and named for the variant;
-    with `device`, its vision and llm on it (a replica's GPU)."""
+    """The worker of one variant: every port free, its llm quantized and named for the variant (its
+    step trace too: PATH.<variant>[.<device>]); with `device`, its vision and llm on it (a replica's GPU)."""
 
     def free(server):
         metrics = server.metrics_port if server.metrics_port < 0 else 0
@@ -60,11 +60,14 @@ def variant_options(opts: MeshOptions, variant: Variant, device: str | None = No
     if gateway.http.port >= 0:  # Envoy's HTTP listener takes the public --http-port
         gateway = dataclasses.replace(gateway, http=dataclasses.replace(gateway.http, port=0))
 
+    trace = opts.llm.native.step_trace
+    if trace:  # one file per engine: several appending to one would mix their steps
+        trace = f"{trace}.{variant.name}" + (f".{device.replace(':', '')}" if device else "")
     llm = dataclasses.replace(
         opts.llm,
         server=free(opts.llm.server),
         variant_name=variant.name,
-        native=dataclasses.replace(opts.llm.native, quantize=variant.quantize),
+        native=dataclasses.replace(opts.llm.native, quantize=variant.quantize, step_trace=trace),
     )
     worker = dataclasses.replace(
         opts,

@@ -106,7 +106,8 @@ class NativeEngineConfig:
         default_factory=lambda: os.environ.get("VLMESH_STEP_TRACE") or None,
         metavar="PATH",
         help="append one JSON line per engine step to PATH: host gap, step time, postprocess, prompt rows "
-        "and decodes (services/llm/step_trace.py; summed up by python -m bench.step_trace). "
+        "and decodes (services/llm/step_trace.py; summed up by python -m bench.step_trace); behind "
+        "--variants or --placement replicate each worker's llm writes PATH.<variant>[.<device>]. "
         "Default: $VLMESH_STEP_TRACE, else off",
     )
 

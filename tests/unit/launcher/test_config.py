@@ -21,6 +21,8 @@ from services.common.qos import QosLevel
 from services.gateway import config as gateway_config
 from services.gateway.config import AdmissionConfig, GatewayConfig, HttpConfig
 from services.launcher import MeshOptions, cli, supervisor
+from services.launcher.routing import parse_variants
+from services.launcher.variants import variant_options
 from services.llm import config as llm_config
 from services.llm.config import LlmConfig
 from services.vision import config as vision_config
@@ -205,6 +207,10 @@ def test_up_passes_its_flags_to_each_child():
     assert (opts.vision.max_batch, opts.vision.ready_signal) == (3, "event")
     assert (opts.llm.max_batch, opts.llm.vllm_kv_cache_gib) == (5, 1.5)
     assert opts.llm.native.step_trace == "/tmp/steps.jsonl"  # what vlmesh bench --mesh-flags can ask for
+    # Behind Envoy each worker's llm traces to a file of its own.
+    full, int8 = parse_variants("full=70,int8=30")
+    assert variant_options(opts, full).llm.native.step_trace == "/tmp/steps.jsonl.full"
+    assert variant_options(opts, int8, "cuda:1").llm.native.step_trace == "/tmp/steps.jsonl.int8.cuda1"
     assert opts.gateway.tenants == str(TENANTS)
     assert opts.gateway.admission.parallelism == 5  # the llm's batch
     assert opts.gateway.admission.max_in_flight == {
