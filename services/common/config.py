@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from services.common import eventloop, tls
+from services.common import eventloop, host_profile, tls
 from services.common.flags import flag
 from services.common.logs import LOG_FORMATS, LOG_LEVELS
 from services.common.memory import Watermarks, parse_watermarks
@@ -111,6 +111,14 @@ class ServerConfig:
         help='once serving, write the bound ports to PATH as JSON ({"port": N, "metrics_port": M}). '
         "With --port 0 this is how a launcher learns a free port without racing another process for it",
     )
+    profile_host: str | None = flag(
+        "--profile-host",
+        default=None,
+        metavar="PATH",
+        help="profile this server's Python while it serves (yappi, CPU time by function and thread) and "
+        "write PATH (pstats) and PATH.threads when it stops; sum up with python -m bench.host_profile. "
+        "Slows the Python it counts: for finding where host time goes, not for timing",
+    )
 
     tls_cert: str = flag(
         "--tls-cert",
@@ -142,6 +150,7 @@ class ServerConfig:
         if not 0 < self.switch_interval_ms <= 100:
             raise ValueError(f"--switch-interval-ms {self.switch_interval_ms} must be in (0, 100]")
         eventloop.resolve(self.event_loop)
+        host_profile.check(self.profile_host)
         tls.check_files(self.tls_cert, self.tls_key, self.tls_ca)
 
     def server_credentials(self, require_client: bool):

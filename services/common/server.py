@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import eventloop, gcpause, glibc_malloc, telemetry
+from services.common import eventloop, gcpause, glibc_malloc, host_profile, telemetry
 from services.common.config import ServerConfig
 from services.common.errors import MeshError
 from services.common.logs import setup_logging
@@ -155,6 +155,7 @@ async def start_server(
     if cfg.gc_freeze:  # the service is built: what is alive now lives as long as the process
         gcpause.freeze_startup_heap()
     await server.start()
+    host_profile.start(cfg.profile_host)  # serving from here: the load and compile stay out of it
     running = RunningServer(server, health_servicer, bound, names)
     await running.set_serving(True)
     if cfg.port_file:
@@ -244,6 +245,7 @@ def run_service(
         logging.getLogger(name).error("cannot start: %s", getattr(err, "message", err))
         return 2
     finally:
+        host_profile.stop()
         telemetry.shutdown_tracing()
     return 0
 

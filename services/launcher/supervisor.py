@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -37,6 +38,15 @@ from services.launcher.restarts import TICK_S, Watch, health_status
 from services.launcher.warmup import warm_up, warmup_images
 from services.llm.config import LlmConfig
 from services.vision.config import VisionConfig
+
+
+def profile_path(opts: MeshOptions, name: str) -> str | None:
+    """Where server `name` writes its host profile (--profile-host DIR): one file per server, and
+    per variant behind Envoy (each worker's servers have the same names)."""
+    if not opts.profile_host:
+        return None
+    variant = f".{opts.llm.variant_name}" if opts.llm.variant_name else ""
+    return str(Path(opts.profile_host) / f"{name}{variant}.pstat")
 
 
 @dataclass
@@ -91,6 +101,9 @@ class Mesh:
         server = dataclasses.replace(
             cfg.server, port=self.ports[name], metrics_port=self.metrics_ports[name], port_file=str(port_file)
         )
+        if self.opts.profile_host:
+            Path(self.opts.profile_host).mkdir(parents=True, exist_ok=True)
+            server = dataclasses.replace(server, profile_host=profile_path(self.opts, name))
         cmd = [sys.executable, "-m", f"services.{name}", *to_argv(dataclasses.replace(cfg, server=server))]
         env = {k: v for k, v in os.environ.items() if k != WARMUP_KEY_ENV}
         env.update({**self.opts.extra_env, **(self._mps.env if self._mps else {})})

@@ -54,6 +54,7 @@ def custom_server(port: int) -> ServerConfig:
         malloc_hold_mib=16,
         event_loop="asyncio",
         port_file="/tmp/ports.json",
+        profile_host="/tmp/server.pstat",
         tls_cert=str(PEM / "cert"),
         tls_key=str(PEM / "key"),
         tls_ca=str(PEM / "ca"),
@@ -207,10 +208,14 @@ def test_up_passes_its_flags_to_each_child():
     assert (opts.vision.max_batch, opts.vision.ready_signal) == (3, "event")
     assert (opts.llm.max_batch, opts.llm.vllm_kv_cache_gib) == (5, 1.5)
     assert opts.llm.native.step_trace == "/tmp/steps.jsonl"  # what vlmesh bench --mesh-flags can ask for
-    # Behind Envoy each worker's llm traces to a file of its own.
+    assert supervisor.profile_path(opts, "llm") is None
+    profiled = cli.options_from_args(cli.build_parser().parse_args([*argv, "--profile-host", "/tmp/prof"]))
+    assert supervisor.profile_path(profiled, "vision") == "/tmp/prof/vision.pstat"
+    # Behind Envoy each worker's llm traces to a file of its own, and each server profiles to its own.
     full, int8 = parse_variants("full=70,int8=30")
     assert variant_options(opts, full).llm.native.step_trace == "/tmp/steps.jsonl.full"
     assert variant_options(opts, int8, "cuda:1").llm.native.step_trace == "/tmp/steps.jsonl.int8.cuda1"
+    assert supervisor.profile_path(variant_options(profiled, int8), "gateway") == "/tmp/prof/gateway.int8.pstat"
     assert opts.gateway.tenants == str(TENANTS)
     assert opts.gateway.admission.parallelism == 5  # the llm's batch
     assert opts.gateway.admission.max_in_flight == {
