@@ -48,7 +48,7 @@ class PatchEmbed(nn.Module):
 
 # The MLP's hidden width is padded to a multiple of this (zero weights: silu(0) * 0 adds nothing).
 # Qwen2.5-VL-7B's is 3,420: bf16 rows of 6,840 bytes, not 16-byte aligned, keep cuBLAS off its
-# aligned kernels for three of a block's four matmuls, two thirds of the tower's arithmetic.
+# aligned kernels for gate, up and down, 60% of the tower's arithmetic.
 ALIGN = 64
 
 
