@@ -6,6 +6,8 @@ what its Python functions spent (a total passes 100% where calls nest: module ca
 Profiling slowed the Python it counted: read the shares, not the seconds.
 
     python -m bench.host_profile DIR|FILE.pstat... [--top 20]
+
+A directory is searched whole: behind Envoy each worker's servers write DIR/<variant>[.<device>]/.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import pstats
 from pathlib import Path
 
 
-def profiles(paths: list[str]) -> list[Path]:
-    """The .pstat files named, or found in the directories named."""
-    out: list[Path] = []
+def profiles(paths: list[str]) -> list[tuple[str, Path]]:
+    """(label, file) of the .pstat files named, or found under the directories named (a worker's
+    behind Envoy in a directory of its own, labelled by it)."""
+    out: list[tuple[str, Path]] = []
     for p in map(Path, paths):
-        out += sorted(p.glob("*.pstat")) if p.is_dir() else [p]
+        out += [(str(f.relative_to(p)), f) for f in sorted(p.rglob("*.pstat"))] if p.is_dir() else [(p.name, p)]
     if not out:
         raise SystemExit(f"no .pstat files in {' '.join(paths)} (vlmesh up --profile-host DIR writes them)")
     return out
@@ -38,11 +41,11 @@ def where(func: tuple[str, int, str]) -> str:
     return f"{'/'.join(parts)}:{line} {name}"
 
 
-def summary(path: Path, top: int) -> list[str]:
+def summary(label: str, path: Path, top: int) -> list[str]:
     """One server's lines: its threads, then its `top` functions by their own CPU."""
     stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]  # {func: (cc, nc, own, total, callers)}
     cpu = sum(own for _, _, own, _, _ in stats.values()) or 1e-9
-    lines = [f"{path.name}: {cpu:.2f} s of CPU in Python functions"]
+    lines = [f"{label}: {cpu:.2f} s of CPU in Python functions"]
     threads = Path(f"{path}.threads")
     if threads.is_file():
         rows = [line.split("\t") for line in threads.read_text().splitlines() if line]
@@ -59,8 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("paths", nargs="+", help="--profile-host directories, or .pstat files")
     p.add_argument("--top", type=int, default=20, help="functions shown per server (default %(default)s)")
     args = p.parse_args(argv)
-    for path in profiles(args.paths):
-        print("\n".join(summary(path, args.top)), end="\n\n")
+    for label, path in profiles(args.paths):
+        print("\n".join(summary(label, path, args.top)), end="\n\n")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.common import host_profile
 from services.common.flags import flag
 from services.gateway.config import GatewayConfig
 from services.launcher.placement import PLACEMENTS, check_placement
@@ -105,7 +104,7 @@ class MeshOptions:
         default=None,
         metavar="DIR",
         help="profile each server's Python while it serves (yappi: CPU time by function and thread) and "
-        "write DIR/<service>[.<variant>].pstat when the mesh stops; python -m bench.host_profile DIR sums "
+        "write DIR/[<worker>/]<service>.pstat when the mesh stops; python -m bench.host_profile DIR sums "
         "them up. Slows the Python it counts: for finding where host time goes, not for timing",
     )
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -126,7 +125,6 @@ class MeshOptions:
         if not 0 <= self.vision_mps_percent <= 100:
             raise ValueError(f"--vision-mps-percent {self.vision_mps_percent}: give 1-100 (0: no limit)")
         check_placement(self.placement, self.gpus, self.llm.model.device, self.variants)
-        host_profile.check(self.profile_host)
 
     def configs(self) -> dict[str, GatewayConfig | VisionConfig | LlmConfig]:
         return {"gateway": self.gateway, "vision": self.vision, "llm": self.llm}

@@ -41,12 +41,9 @@ from services.vision.config import VisionConfig
 
 
 def profile_path(opts: MeshOptions, name: str) -> str | None:
-    """Where server `name` writes its host profile (--profile-host DIR): one file per server, and
-    per variant behind Envoy (each worker's servers have the same names)."""
-    if not opts.profile_host:
-        return None
-    variant = f".{opts.llm.variant_name}" if opts.llm.variant_name else ""
-    return str(Path(opts.profile_host) / f"{name}{variant}.pstat")
+    """Where server `name` writes its host profile: DIR/<name>.pstat with --profile-host DIR (a
+    worker behind Envoy has a DIR of its own, services/launcher/variants.py), else nowhere."""
+    return str(Path(opts.profile_host) / f"{name}.pstat") if opts.profile_host else None
 
 
 @dataclass
@@ -101,9 +98,10 @@ class Mesh:
         server = dataclasses.replace(
             cfg.server, port=self.ports[name], metrics_port=self.metrics_ports[name], port_file=str(port_file)
         )
-        if self.opts.profile_host:
-            Path(self.opts.profile_host).mkdir(parents=True, exist_ok=True)
-            server = dataclasses.replace(server, profile_host=profile_path(self.opts, name))
+        # The launcher's to set: the flag it parsed (a directory) reached each server's config as well.
+        if profile := profile_path(self.opts, name):
+            Path(profile).parent.mkdir(parents=True, exist_ok=True)
+        server = dataclasses.replace(server, profile_host=profile)
         cmd = [sys.executable, "-m", f"services.{name}", *to_argv(dataclasses.replace(cfg, server=server))]
         env = {k: v for k, v in os.environ.items() if k != WARMUP_KEY_ENV}
         env.update({**self.opts.extra_env, **(self._mps.env if self._mps else {})})

@@ -49,8 +49,9 @@ def envoy_binary() -> str:
 
 
 def variant_options(opts: MeshOptions, variant: Variant, device: str | None = None) -> MeshOptions:
-    """The worker of one variant: every port free, its llm quantized and named for the variant (its
-    step trace too: PATH.<variant>[.<device>]); with `device`, its vision and llm on it (a replica's GPU)."""
+    """The worker of one variant: every port free, its llm quantized and named for the variant; with
+    `device`, its vision and llm on it (a replica's GPU). What it writes goes to files of its own:
+    the step trace to PATH.<worker>, the host profiles under DIR/<worker>/ (<variant>[.<device>])."""
 
     def free(server):
         metrics = server.metrics_port if server.metrics_port < 0 else 0
@@ -60,22 +61,23 @@ def variant_options(opts: MeshOptions, variant: Variant, device: str | None = No
     if gateway.http.port >= 0:  # Envoy's HTTP listener takes the public --http-port
         gateway = dataclasses.replace(gateway, http=dataclasses.replace(gateway.http, port=0))
 
-    trace = opts.llm.native.step_trace
-    if trace:  # one file per engine: several appending to one would mix their steps
-        trace = f"{trace}.{variant.name}" + (f".{device.replace(':', '')}" if device else "")
+    worker = variant.name + (f".{device.replace(':', '')}" if device else "")
+    trace = opts.llm.native.step_trace and f"{opts.llm.native.step_trace}.{worker}"  # engines must not mix steps
     llm = dataclasses.replace(
         opts.llm,
         server=free(opts.llm.server),
         variant_name=variant.name,
         native=dataclasses.replace(opts.llm.native, quantize=variant.quantize, step_trace=trace),
     )
-    worker = dataclasses.replace(
+    profiles = opts.profile_host and str(Path(opts.profile_host) / worker)
+    options = dataclasses.replace(
         opts,
+        profile_host=profiles,
         gateway=gateway,
         vision=dataclasses.replace(opts.vision, server=free(opts.vision.server)),
         llm=llm,
     )
-    return on_devices(worker, device, device) if device else worker
+    return on_devices(options, device, device) if device else options
 
 
 class VariantMesh:

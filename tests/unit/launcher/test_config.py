@@ -215,7 +215,9 @@ def test_up_passes_its_flags_to_each_child():
     full, int8 = parse_variants("full=70,int8=30")
     assert variant_options(opts, full).llm.native.step_trace == "/tmp/steps.jsonl.full"
     assert variant_options(opts, int8, "cuda:1").llm.native.step_trace == "/tmp/steps.jsonl.int8.cuda1"
-    assert supervisor.profile_path(variant_options(profiled, int8), "gateway") == "/tmp/prof/gateway.int8.pstat"
+    assert supervisor.profile_path(variant_options(profiled, int8), "gateway") == "/tmp/prof/int8/gateway.pstat"
+    replica = variant_options(profiled, full, "cuda:1")  # a replica of the same variant: its own directory
+    assert supervisor.profile_path(replica, "llm") == "/tmp/prof/full.cuda1/llm.pstat"
     assert opts.gateway.tenants == str(TENANTS)
     assert opts.gateway.admission.parallelism == 5  # the llm's batch
     assert opts.gateway.admission.max_in_flight == {
