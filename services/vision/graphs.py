@@ -99,7 +99,10 @@ MAX_GRAPH_PATCHES = 8192
 MAX_GRAPHED_PATCHES = 32768
 # A batch's grids are captured the second time they come: a one-off does not take a graph's place.
 CAPTURE_AT_SIGHT = 2
-SEEN_KEYS = 4096  # sightings kept before they are forgotten
+SEEN_KEYS = 4096  # sightings (and failed captures) kept before they are forgotten
+# A graph not replayed for this many batches gives its place to a key that comes again, so that
+# traffic whose sizes change is not left eager behind the graphs of the sizes that came first.
+STALE_BATCHES = 2048
 
 BatchKey = tuple[tuple[int, int, int], ...]  # a batch's picture grids (t, h, w), sorted
 WARM_GRID = (1, 16, 16)  # a 224x224 picture's, to compile the blocks on before serving
@@ -112,6 +115,7 @@ class _GridGraph:
     tokens: torch.Tensor  # [N / m^2, H]: the static output
     grid: torch.Tensor  # [n, 3] (host): the key's grids
     layout: object  # the tower's device layout, which the graph reads: kept alive with it
+    used: int = 0  # the batch count at its last replay
 
 
 class GridGraphs:
@@ -125,8 +129,10 @@ class GridGraphs:
     whole batch's grids, sorted (the pictures are reordered into the graph and their tokens back).
     A key is captured the second time it comes (some three eager runs' time, once), within the
     caps above (count, patches each, patches in all), all in one memory pool and replayed one at a
-    time (the vision's one encoding thread). A batch without a graph (new, past the caps, or its
-    capture failed: logged) runs as one eager forward. On CUDA the blocks' work around their
+    time (the vision's one encoding thread). When the caps are full, graphs not replayed for
+    STALE_BATCHES batches are dropped to make room (their memory returns to the pool for the next
+    capture). A batch without a graph (new, past the caps, or its capture failed: logged) runs
+    as one eager forward. On CUDA the blocks' work around their
     attention is compiled first, once for any size (the rows dynamic), to cut the kernels a block
     launches (its elementwise ops fused).
     """
@@ -137,8 +143,10 @@ class GridGraphs:
         self.tower, self.max_graphs, self.max_patches = tower, max_graphs, max_patches
         self.device = next(tower.parameters()).device
         self._pool = self._stream = None  # made at the first capture
-        self._graphs: dict[BatchKey, _GridGraph | None] = {}  # None: its capture failed
+        self._graphs: dict[BatchKey, _GridGraph] = {}
+        self._failed: set[BatchKey] = set()  # keys whose capture failed: eager, not tried again
         self._seen: Counter[BatchKey] = Counter()
+        self._batches = 0  # batches served, the clock of STALE_BATCHES
         self.eager_fns = tower.block_fns(compiled=False)  # type: ignore[operator]
         self.fns = self._compile() if self.device.type == "cuda" else self.eager_fns
 
@@ -192,19 +200,44 @@ class GridGraphs:
     def _graph(self, key: BatchKey, parts: list[torch.Tensor], grids: torch.Tensor) -> _GridGraph | None:
         """The batch's graph (`parts` and `grids` in the key's order), captured now if this is its
         time; None: it runs eagerly."""
-        if key in self._graphs:
-            return self._graphs[key]
-        held = [g.patches.shape[0] for g in self._graphs.values() if g is not None]
+        self._batches += 1
+        entry = self._graphs.get(key)
+        if entry is not None:
+            entry.used = self._batches
+            return entry
         n = sum(p.shape[0] for p in parts)
-        if n > self.max_patches or len(held) >= self.max_graphs or sum(held) + n > MAX_GRAPHED_PATCHES:
+        if n > self.max_patches or key in self._failed:
             return None
         if len(self._seen) >= SEEN_KEYS:  # batches of mixed sizes make keys without end: forget the sightings
             self._seen.clear()
+            self._failed.clear()
         self._seen[key] += 1
-        if self._seen[key] < CAPTURE_AT_SIGHT:
+        if self._seen[key] < CAPTURE_AT_SIGHT or not self._make_room(n):
             return None
-        self._graphs[key] = self._capture(key, parts, grids)
-        return self._graphs[key]
+        entry = self._capture(key, parts, grids)
+        if entry is None:
+            self._failed.add(key)
+            return None
+        entry.used = self._batches
+        self._graphs[key] = entry
+        return entry
+
+    def _make_room(self, n: int) -> bool:
+        """Whether a graph of `n` patches fits the caps, dropping graphs idle for STALE_BATCHES
+        (the longest idle first) where that makes it fit, and nothing otherwise."""
+        count, held = len(self._graphs), sum(g.patches.shape[0] for g in self._graphs.values())
+        stale = sorted((g.used, k) for k, g in self._graphs.items() if self._batches - g.used > STALE_BATCHES)
+        drop: list[BatchKey] = []
+        while count >= self.max_graphs or held + n > MAX_GRAPHED_PATCHES:
+            if len(drop) == len(stale):
+                return False
+            key = stale[len(drop)][1]
+            drop.append(key)
+            count, held = count - 1, held - self._graphs[key].patches.shape[0]
+        for key in drop:  # idle that long, its last replay is long done on the GPU
+            del self._graphs[key]
+            log.info("vision tower: dropped the graph for grids %s, idle for over %d batches", key, STALE_BATCHES)
+        return True
 
     def _capture(self, key: BatchKey, parts: list[torch.Tensor], grids: torch.Tensor) -> _GridGraph | None:
         try:

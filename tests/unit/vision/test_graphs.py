@@ -86,7 +86,7 @@ def test_grid_graphs_give_each_picture_its_towers_tokens(tiny_qwen, monkeypatch)
             if n == 0:  # the first two batches are one key, seen twice: captured at the second
                 assert captured == [((1, 4, 4), (1, 4, 4), (1, 8, 4))]
     assert captured == [((1, 4, 4), (1, 4, 4), (1, 8, 4)), ((1, 4, 4),)]  # 4x8 failed (tried once)
-    assert grided._graphs[((1, 4, 8),)] is None
+    assert ((1, 4, 8),) in grided._failed and ((1, 4, 8),) not in grided._graphs
     assert ((1, 6, 12),) not in grided._graphs and ((1, 6, 12),) not in grided._seen
 
 
@@ -161,3 +161,36 @@ def test_graphs_stop_at_the_patches_they_may_hold_in_all(tiny_qwen, monkeypatch)
             patches = torch.randn(sum(t * h * w for t, h, w in grids), tower.patch_width, generator=gen)
             torch.testing.assert_close(grided.pictures(patches, grid)[0], tower.pictures(patches, grid)[0])
     assert captured == [((1, 4, 4),), ((1, 4, 8),)]  # 48 held: the third key's 32 would pass 60
+
+
+def test_a_graph_idle_for_long_gives_its_place_to_a_key_that_comes_again(tiny_qwen, monkeypatch):
+    """With the caps full, a key seen twice takes the place of the graph idle longest, if that one
+    has been idle for more than STALE_BATCHES batches; while every graph is in use, it runs eagerly."""
+    import types
+
+    from services.vision import graphs
+
+    captured = []
+
+    def capture(sizes, run, what, stream=None, pool=None, error_mode="global"):
+        (key,) = sizes
+        captured.append(key)
+        run(key)
+        return {key: types.SimpleNamespace(replay=lambda: run(key))}
+
+    monkeypatch.setattr(graphs, "capture_graphs", capture)
+    monkeypatch.setattr(graphs, "STALE_BATCHES", 3)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
+    tower = load_vision_tower(load_spec(tiny_qwen), torch.device("cpu"), torch.float32)
+    grided = graphs.GridGraphs(tower, max_graphs=2)
+    a, b, c, d = ((1, 4, 4),), ((1, 4, 8),), ((1, 8, 4),), ((1, 8, 8),)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for n, key in enumerate([a, a, b, b, c, c, b, d, d], start=1):
+            grid = torch.tensor(key)
+            patches = torch.randn(sum(t * h * w for t, h, w in key), tower.patch_width, generator=gen)
+            torch.testing.assert_close(grided.pictures(patches, grid)[0], tower.pictures(patches, grid)[0])
+            if n == 6:  # a idle for 4 batches (> 3): dropped for c
+                assert captured == [a, b, c] and set(grided._graphs) == {b, c}
+    assert captured == [a, b, c] and set(grided._graphs) == {b, c}  # d: b and c used within 3 batches
