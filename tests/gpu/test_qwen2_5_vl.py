@@ -85,5 +85,30 @@ def test_the_tower_in_a_graph_per_batch_of_grids_equals_it_eager_fp32(cut_qwen, 
         want, got = eager.encode(pixels), graphed.encode(pixels)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-    captured = {k for k, v in graphed.grid_graphs._graphs.items() if v is not None}
+    captured = set(graphed.grid_graphs._graphs)
     assert len(captured) == len(batches), captured  # one graph per batch's grids, every one captured
+
+
+def test_graphs_dropped_for_new_grids_leave_every_replay_right_fp32(cut_qwen, exact_fp32, monkeypatch):
+    """One graph at a time and every graph stale after a batch: each batch's grids take the place
+    of the last's (the dropped graph's memory reused by the next capture in the shared pool), and
+    every replay still gives the eager tower's features."""
+    from services.model.spec import load_spec
+    from services.vision import graphs
+    from services.vision.encoder import VisionEncoder
+
+    monkeypatch.setattr(graphs, "STALE_BATCHES", 1)
+    spec = load_spec(cut_qwen)
+    eager = VisionEncoder(spec, "cuda", "float32")
+    graphed = VisionEncoder(spec, "cuda", "float32", graphs_up_to=4)
+    graphed.grid_graphs.max_graphs = 1
+    captures = []
+    capture = graphed.grid_graphs._capture
+    monkeypatch.setattr(graphed.grid_graphs, "_capture", lambda *a: captures.append(a[0]) or capture(*a))
+    one, two = [CASES[0][0], CASES[1][0]], [CASES[2][0]]
+    for batch in [one, one, one, two, two, two, one, one, one]:
+        pixels = [eager.pixels(data) for data in batch]
+        for g, w in zip(graphed.encode(pixels), eager.encode(pixels), strict=True):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert len(captures) == 3 and captures[0] == captures[2] != captures[1], captures
+    assert list(graphed.grid_graphs._graphs) == [captures[2]]
