@@ -113,8 +113,9 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segm
     if len(seg.bounds) - 1 <= LOOP_SEGMENTS:
         out = []
         for a, b in itertools.pairwise(seg.bounds):
-            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [heads, len, hd]
-            out.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1))
+            # [1, heads, len, hd]: SDPA's fused kernels take 4-D inputs only (3-D falls to math, in fp32)
+            qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
+            out.append(F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1))
         return torch.cat(out)
     qs, ks, vs = (t[seg.index].transpose(1, 2) for t in (q, k, v))  # [S, heads, L, hd]
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.valid[:, None, None, :])
