@@ -13,6 +13,35 @@ from services.model.spec import load_spec
 from services.vision.graphs import GraphedTower
 
 
+def fake_captures(monkeypatch, fails: tuple = ()) -> list:
+    """GridGraphs' captures on the CPU: a "graph" replays by running the same function (CUDA
+    replays what it captured of it); keys in `fails` fail to capture. -> the keys captured."""
+    import types
+
+    from services.vision import graphs
+
+    captured = []
+
+    def capture(sizes, run, what, stream=None, pool=None, error_mode="global"):
+        (key,) = sizes
+        if key in fails:
+            raise RuntimeError("capture failed")
+        captured.append(key)
+        run(key)
+        return {key: types.SimpleNamespace(replay=lambda: run(key))}
+
+    monkeypatch.setattr(graphs, "capture_graphs", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
+    return captured
+
+
+def random_patches(grids, tower, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random patches [N, P] for pictures of these grids, and the grids [n, 3]."""
+    patches = torch.randn(sum(t * h * w for t, h, w in grids), tower.patch_width, generator=gen)
+    return patches, torch.tensor(grids)
+
+
 @pytest.mark.parametrize("model", ["tiny_model", "tiny_deepseek_hybrid"])
 def test_graphed_tower_equals_the_tower_for_every_batch(model, request):
     spec = load_spec(request.getfixturevalue(model))
@@ -38,24 +67,10 @@ def test_grid_graphs_give_each_picture_its_towers_tokens(tiny_qwen, monkeypatch)
     any order (the key is sorted, the pictures reordered into the graph and back), batches past
     the caps and a batch whose capture failed run eagerly, and every picture gets the tokens the
     tower gives it."""
-    import types
-
     from services.model.qwen2_5_vl import QwenImageConfig, QwenProcessor
     from services.vision import graphs
 
-    captured = []
-
-    def capture(sizes, run, what, stream=None, pool=None, error_mode="global"):
-        (key,) = sizes
-        if key == ((1, 4, 8),):
-            raise RuntimeError("capture failed")
-        captured.append(key)
-        run(key)
-        return {key: types.SimpleNamespace(replay=lambda: run(key))}
-
-    monkeypatch.setattr(graphs, "capture_graphs", capture)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
+    captured = fake_captures(monkeypatch, fails=(((1, 4, 8),),))
     spec = load_spec(tiny_qwen)
     tower = load_vision_tower(spec, torch.device("cpu"), torch.float32)
     proc = QwenProcessor(QwenImageConfig.load(tiny_qwen))
@@ -108,8 +123,7 @@ def test_the_blocks_compile_once_for_pictures_of_any_size(tiny_qwen):
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for grids in [[(1, 16, 16)], [(1, 4, 8), (1, 8, 12)], [(1, 6, 10)]]:
-            grid = torch.tensor(grids)
-            patches = torch.randn(sum(t * h * w for t, h, w in grids), tower.patch_width, generator=gen)
+            patches, grid = random_patches(grids, tower, gen)
             torch.testing.assert_close(tower(patches, grid, fns=fns), tower(patches, grid), atol=1e-5, rtol=1e-5)
     assert len(graphs) == 2, [g.code for g in graphs]
 
@@ -136,29 +150,16 @@ def test_compiled_blocks_that_fail_leave_the_batch_to_the_eager_ones(tiny_qwen, 
 
 def test_graphs_stop_at_the_patches_they_may_hold_in_all(tiny_qwen, monkeypatch):
     """Keys past MAX_GRAPHED_PATCHES in all run eagerly, however often they come (GPU memory stays flat)."""
-    import types
-
     from services.vision import graphs
 
-    captured = []
-
-    def capture(sizes, run, what, stream=None, pool=None, error_mode="global"):
-        (key,) = sizes
-        captured.append(key)
-        run(key)
-        return {key: types.SimpleNamespace(replay=lambda: run(key))}
-
-    monkeypatch.setattr(graphs, "capture_graphs", capture)
+    captured = fake_captures(monkeypatch)
     monkeypatch.setattr(graphs, "MAX_GRAPHED_PATCHES", 60)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
     tower = load_vision_tower(load_spec(tiny_qwen), torch.device("cpu"), torch.float32)
     grided = graphs.GridGraphs(tower)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for grids in [[(1, 4, 4)], [(1, 4, 8)], [(1, 4, 4), (1, 4, 4)]] * 3:  # 16, 32 and 32 patches
-            grid = torch.tensor(grids)
-            patches = torch.randn(sum(t * h * w for t, h, w in grids), tower.patch_width, generator=gen)
+            patches, grid = random_patches(grids, tower, gen)
             torch.testing.assert_close(grided.pictures(patches, grid)[0], tower.pictures(patches, grid)[0])
     assert captured == [((1, 4, 4),), ((1, 4, 8),)]  # 48 held: the third key's 32 would pass 60
 
@@ -166,30 +167,17 @@ def test_graphs_stop_at_the_patches_they_may_hold_in_all(tiny_qwen, monkeypatch)
 def test_a_graph_idle_for_long_gives_its_place_to_a_key_that_comes_again(tiny_qwen, monkeypatch):
     """With the caps full, a key seen twice takes the place of the graph idle longest, if that one
     has been idle for more than STALE_BATCHES batches; while every graph is in use, it runs eagerly."""
-    import types
-
     from services.vision import graphs
 
-    captured = []
-
-    def capture(sizes, run, what, stream=None, pool=None, error_mode="global"):
-        (key,) = sizes
-        captured.append(key)
-        run(key)
-        return {key: types.SimpleNamespace(replay=lambda: run(key))}
-
-    monkeypatch.setattr(graphs, "capture_graphs", capture)
+    captured = fake_captures(monkeypatch)
     monkeypatch.setattr(graphs, "STALE_BATCHES", 3)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
-    monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
     tower = load_vision_tower(load_spec(tiny_qwen), torch.device("cpu"), torch.float32)
     grided = graphs.GridGraphs(tower, max_graphs=2)
     a, b, c, d = ((1, 4, 4),), ((1, 4, 8),), ((1, 8, 4),), ((1, 8, 8),)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for n, key in enumerate([a, a, b, b, c, c, b, d, d], start=1):
-            grid = torch.tensor(key)
-            patches = torch.randn(sum(t * h * w for t, h, w in key), tower.patch_width, generator=gen)
+            patches, grid = random_patches(key, tower, gen)
             torch.testing.assert_close(grided.pictures(patches, grid)[0], tower.pictures(patches, grid)[0])
             if n == 6:  # a idle for 4 batches (> 3): dropped for c
                 assert captured == [a, b, c] and set(grided._graphs) == {b, c}
