@@ -132,9 +132,8 @@ class GridGraphs:
     time (the vision's one encoding thread). When the caps are full, graphs not replayed for
     STALE_BATCHES batches are dropped to make room (their memory returns to the pool for the next
     capture). A batch without a graph (new, past the caps, or its capture failed: logged) runs
-    as one eager forward. On CUDA the blocks' work around their
-    attention is compiled first, once for any size (the rows dynamic), to cut the kernels a block
-    launches (its elementwise ops fused).
+    as one eager forward. On CUDA the blocks' work around their attention is compiled first, once
+    for any size (the rows dynamic), to cut the kernels a block launches (its elementwise ops fused).
     """
 
     def __init__(
