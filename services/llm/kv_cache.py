@@ -93,20 +93,21 @@ def pool_pages(
 
 
 class PagedKvCache:
-    """k[layer], v[layer]: [g, n_pages * page_size, d] each."""
+    """k[layer], v[layer]: [g, n_pages * page_size, d] each, views of one pool
+    [2, layers, g, n_pages * page_size, d]."""
 
     def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, n_pages: int, page_size: int) -> None:
         t = spec.text
         self.n_pages, self.page_size = n_pages, page_size
-        shape = (t.kv_heads, n_pages * page_size, t.head_dim)
-        # Zeros, not empty: padding rows of a captured batch read the null page, and garbage
-        # there could hold NaN (harmless to other rows, but noisy to debug).
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(t.layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(t.layers)]
+        # One tensor, so that a page is copied across every layer in one op (copy_page). Zeros, not
+        # empty: padding rows of a captured batch read the null page, and garbage there could hold
+        # NaN (harmless to other rows, but noisy to debug).
+        self.pool = torch.zeros((2, t.layers, t.kv_heads, n_pages * page_size, t.head_dim), device=device, dtype=dtype)
+        self.k, self.v = list(self.pool[0]), list(self.pool[1])  # each layer's view is contiguous
 
     def copy_page(self, src: int, dst: int, positions: int) -> None:
         """Copy the first `positions` positions of page `src` into page `dst`, in every layer (queued on
-        the current stream: a prefix-cache part, services/llm/prefix.py)."""
+        the current stream: a prefix-cache part, services/llm/prefix.py). One copy for all layers: a
+        slice and a copy per layer cost the engine thread about 1.3 ms a request (docs/PERF.md)."""
         s, d = src * self.page_size, dst * self.page_size
-        for t in (*self.k, *self.v):  # 2 x layers small copies; their bytes are a few MB at most
-            t[:, d : d + positions].copy_(t[:, s : s + positions])
+        self.pool[..., d : d + positions, :].copy_(self.pool[..., s : s + positions, :])
