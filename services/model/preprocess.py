@@ -10,6 +10,7 @@ uint8 output, and tests compare against transformers' own processor to 1e-5.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import re
@@ -190,20 +191,37 @@ def crop_on_device(pixels: torch.Tensor, cfg: ImageProcessorConfig) -> torch.Ten
     return _center_crop(pixels, cfg.crop_hw) if cfg.do_center_crop else pixels
 
 
-def normalize(pixels: torch.Tensor, cfg: ImageProcessorConfig) -> torch.Tensor:
-    """uint8 pixels [..., S, S, 3] -> float32 [..., 3, S, S], rescaled and normalised, on their device.
-
-    The arithmetic is transformers' (rescale in float64, then float32), so the result is the
-    processor's to the last bit or two on any device; the vision encoder runs it where the ViT
-    runs, after a copy of a quarter of the bytes the float pixels would take.
-    """
+def _rescaled(pixels: torch.Tensor, cfg: ImageProcessorConfig) -> torch.Tensor:
+    """uint8 [..., 3] -> float32 [..., 3] by transformers' arithmetic (rescale in float64, then float32)."""
     out = pixels.to(torch.float64) * cfg.rescale_factor if cfg.do_rescale else pixels.to(torch.float64)
     out = out.to(torch.float32)
     if cfg.do_normalize:
         mean = torch.tensor(cfg.mean, dtype=torch.float32, device=out.device)
         std = torch.tensor(cfg.std, dtype=torch.float32, device=out.device)
         out = (out - mean) / std
-    return out.movedim(-1, -3).contiguous()
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _table(cfg: ImageProcessorConfig) -> np.ndarray:
+    """[3, 256] float32: `_rescaled` of every value of each channel."""
+    values = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, 3)
+    return _rescaled(values, cfg).T.contiguous().numpy()
+
+
+def normalize(pixels: torch.Tensor, cfg: ImageProcessorConfig) -> torch.Tensor:
+    """uint8 pixels [..., S, S, 3] -> float32 [..., 3, S, S], rescaled and normalised, on their device.
+
+    The arithmetic is transformers' (rescale in float64, then float32), so the result is the
+    processor's to the last bit or two on any device; the vision encoder runs it where the ViT
+    runs, after a copy of a quarter of the bytes the float pixels would take. On the CPU (Qwen's
+    patches, the CPU mesh) it looks each value up in a table of that arithmetic's 256 results a
+    channel: the same bits, in a third of the time of the float64 passes.
+    """
+    if pixels.device.type == "cpu":
+        table, values = _table(cfg), pixels.numpy()
+        return torch.from_numpy(np.stack([table[c].take(values[..., c]) for c in range(3)], axis=-3))
+    return _rescaled(pixels, cfg).movedim(-1, -3).contiguous()
 
 
 def preprocess(img: Image.Image, cfg: ImageProcessorConfig) -> torch.Tensor:

@@ -91,6 +91,23 @@ def test_normalizing_uint8_pixels_in_torch_is_the_processors_arithmetic(tmp_path
         assert torch.equal(got, preprocess(img, cfg))
 
 
+def test_the_cpus_table_gives_the_bits_of_the_arithmetic_a_gpu_runs(tmp_path):
+    """On the CPU `normalize` looks values up in a table; elsewhere it computes them. Both give the
+    same bits, for every value of each channel, on a batch of strided (cropped) pixels."""
+    from services.model import preprocess as pre
+
+    hf = pil_clip_processor_class()(**CONFIGS["llava-336"])
+    hf.save_pretrained(tmp_path)
+    cfg = ImageProcessorConfig.load(tmp_path, 336)
+    every = torch.arange(256, dtype=torch.uint8)
+    px = torch.stack([every.roll(c) for c in range(3)], dim=-1).reshape(2, 8, 16, 3)  # each value in each channel
+    px = torch.cat([px, torch.randint(0, 256, (2, 8, 16, 3), dtype=torch.uint8)], dim=2)[:, :, :26]  # strided
+    assert not px.is_contiguous()
+    got = normalize(px, cfg)
+    assert got.shape == (2, 3, 8, 26) and got.dtype == torch.float32 and got.is_contiguous()
+    assert torch.equal(got, pre._rescaled(px, cfg).movedim(-1, -3))
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("size", [(48, 40), (40, 97), (300, 120), (32, 32), (17, 500)])
 def test_resizing_where_the_tower_runs_gives_pillows_pixels(tmp_path, name, size):
