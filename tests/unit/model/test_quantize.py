@@ -83,15 +83,16 @@ def test_the_int8_kernel_op_compiles_into_one_graph():
     assert torch.ops.vlmesh.byte_weight_linear.default in ops
 
 
-def test_quantizing_leaves_inductor_settings_alone(monkeypatch):
+def test_quantizing_leaves_inductor_settings_alone():
     """torchao's default turns on coordinate-descent tuning process-wide (minutes of warm-up).
-    Both start off here, whatever an earlier quantization in this process left them at."""
+    Both start off here, whatever an earlier quantization in this process left them at. (The
+    config's own `patch`, not pytest's monkeypatch: that one deletes a config module's entries on
+    undo, which broke every later compile in the process.)"""
     import torch._inductor.config as inductor
 
-    for name in ("coordinate_descent_tuning", "coordinate_descent_check_all_directions"):
-        monkeypatch.setattr(inductor, name, False)
-    quantize_decoder(nn.Sequential(nn.Linear(128, 64, bias=False)), "int8", CPU, torch.float32)
-    assert not inductor.coordinate_descent_tuning and not inductor.coordinate_descent_check_all_directions
+    with inductor.patch(coordinate_descent_tuning=False, coordinate_descent_check_all_directions=False):
+        quantize_decoder(nn.Sequential(nn.Linear(128, 64, bias=False)), "int8", CPU, torch.float32)
+        assert not inductor.coordinate_descent_tuning and not inductor.coordinate_descent_check_all_directions
 
 
 def test_int4_codes_unpack_tinygemms_weight_and_dequantize_to_it():
