@@ -64,11 +64,15 @@ prometheus-tools:
 # In CI (CI=true) the observability tests fail, not skip, when Phoenix or Prometheus is missing.
 REQUIRE_OBSERVABILITY ?= $(if $(CI),1,0)
 
-# REQUIRE_VLLM=1: the vLLM engine tests fail, not skip, if vLLM is missing.
+# REQUIRE_VLLM=1: the vLLM engine tests fail, not skip, if vLLM is missing. Two test files run at a
+# time (pytest-xdist): most tests wait on a mesh's subprocesses, so two share the 2 cores well. The
+# latency comparisons (marked serial) would count the other file's work as the mesh's: they run alone after.
+TEST_ENV = REQUIRE_OBSERVABILITY=$(REQUIRE_OBSERVABILITY) REQUIRE_VLLM=1
 test: $(STAMP) $(VLLM_STAMP) $(PHOENIX_STAMP) prometheus-tools
 	$(PY) -m ruff check .
 	$(VENV)/bin/lint-imports
-	REQUIRE_OBSERVABILITY=$(REQUIRE_OBSERVABILITY) REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=30 tests
+	$(TEST_ENV) $(PY) -m pytest -q --durations=30 -n 2 --dist loadfile -m "not serial" tests
+	$(TEST_ENV) $(PY) -m pytest -q --durations=5 -m serial tests
 
 # On the GPU machine: its python already has torch with CUDA; missing wheels are carried.
 test-gpu:

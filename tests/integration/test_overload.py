@@ -23,7 +23,8 @@ import pytest
 
 from tests.helpers import ROOT
 
-pytestmark = pytest.mark.timeout(900)  # a run waits for another's turn at the host (our_turn)
+# A run waits for another's turn at the host (our_turn); `make test` runs these alone (serial).
+pytestmark = [pytest.mark.timeout(900), pytest.mark.serial]
 
 PROFILE = ["--max-in-flight", "realtime=24,standard=2,best-effort=1"]
 
