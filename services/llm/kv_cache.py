@@ -108,6 +108,6 @@ class PagedKvCache:
     def copy_page(self, src: int, dst: int, positions: int) -> None:
         """Copy the first `positions` positions of page `src` into page `dst`, in every layer (queued on
         the current stream: a prefix-cache part, services/llm/prefix.py). One copy for all layers: a
-        slice and a copy per layer cost the engine thread about 1.3 ms a request (docs/PERF.md)."""
+        slice and a copy per layer were the engine thread's largest Python cost under load (docs/PERF.md)."""
         s, d = src * self.page_size, dst * self.page_size
         self.pool[..., d : d + positions, :].copy_(self.pool[..., s : s + positions, :])
