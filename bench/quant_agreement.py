@@ -10,6 +10,9 @@ same `--sequences` random token sequences of `--tokens` positions (text only: th
 is the same in every kind), and each position's argmax is compared with fp32's. A preset's random
 weights are made once, seeded, and copied into each kind.
 
+A CPU refuses fp8 as a server does, unless `--emulate-fp8`: the same codes and scales, computed in
+fp32, for a trained model that fits the CPU (`--model models/demo --kinds int8,fp8 --emulate-fp8`).
+
 It prints a table and, with `--out`, writes the figures as JSON. Issue 44's criterion: fp8's
 agreement no more than 1 point below bf16's.
 """
@@ -74,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--sequences", type=int, default=16, help="random token sequences (default %(default)s)")
     p.add_argument("--tokens", type=int, default=256, help="positions in each (default %(default)s)")
+    p.add_argument(
+        "--emulate-fp8",
+        action="store_true",
+        help="on a CPU, run fp8 with its codes and scales in fp32 instead of refusing it (a trained model "
+        "that fits the CPU, e.g. models/demo)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
     wanted = [k for k in args.kinds.split(",") if k]
@@ -81,10 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--kinds {','.join(unknown)}: use some of {','.join(kinds)}")
     device = torch.device(args.device)
+    if args.emulate_fp8 and device.type != "cpu":
+        p.error(f"--emulate-fp8 is for a CPU; on {device} fp8 runs its own kernels (or is refused): drop it")
     for kind in wanted:  # a kind that cannot run here fails now, not after the fp32 and bf16 passes
         try:
             probe = torch.nn.Linear(128, 128, device=device, dtype=torch.bfloat16)
-            quantize_decoder(probe, kind, device, torch.bfloat16)
+            quantize_decoder(probe, kind, device, torch.bfloat16, emulate_fp8=args.emulate_fp8)
         except ValueError as err:
             p.error(f"--kinds {kind}: {err}")
 
@@ -105,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         model = copy.deepcopy(fp32).to(torch.bfloat16)
         if kind != "bf16":
             try:
-                quantize_decoder(decoder_layers(model), kind, device, torch.bfloat16)
+                quantize_decoder(decoder_layers(model), kind, device, torch.bfloat16, emulate_fp8=args.emulate_fp8)
             except ValueError as err:
                 p.error(f"--kinds {kind}: {err}")
         got = [g.cpu() for g in logits_of(model, seqs)]
@@ -123,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu",
         "sequences": args.sequences,
         "tokens": args.tokens,
+        "fp8_emulated": args.emulate_fp8 and "fp8" in wanted,
         "kinds": rows,
     }
     print(f"{'kind':6} {'argmax = fp32':>14} {'cos fp32 mean':>14} {'cos bf16 mean':>14} {'cos bf16 min':>13}")

@@ -55,13 +55,17 @@ def test_decode_step_runs_the_engines_own_steps_on_the_cpu(tmp_path):
 def test_quant_agreement_compares_each_kind_with_fp32_and_bf16(tmp_path):
     out = tmp_path / "agreement.json"
     result = tool(
-        *("bench.quant_agreement", "--model", DEMO, "--device", "cpu", "--kinds", "int8"),
+        *("bench.quant_agreement", "--model", DEMO, "--device", "cpu", "--kinds", "int8,fp8", "--emulate-fp8"),
         *("--sequences", "2", "--tokens", "24", "--out", str(out)),
     )
-    rows = strict(out.read_text())["kinds"]
-    assert list(rows) == ["bf16", "int8"] and "vs_bf16" in rows["int8"] and "vs_bf16" not in rows["bf16"]
-    assert all(0.9 <= r["vs_fp32"]["agreement"] <= 1 and r["vs_fp32"]["cosine_min"] > 0.99 for r in rows.values())
-    assert re.search(r"^int8 +\d+\.\d\d%", result.stdout, re.M)
+    figures = strict(out.read_text())
+    rows = figures["kinds"]
+    assert list(rows) == ["bf16", "int8", "fp8"] and figures["fp8_emulated"] is True
+    assert "vs_bf16" in rows["int8"] and "vs_bf16" not in rows["bf16"]
+    assert all(0.9 <= rows[k]["vs_fp32"]["agreement"] <= 1 for k in ("bf16", "int8"))
+    assert 0.8 <= rows["fp8"]["vs_fp32"]["agreement"] <= 1  # 3 mantissa bits, activations quantized too
+    assert all(r["vs_fp32"]["cosine_min"] > 0.99 for r in rows.values())
+    assert re.search(r"^int8 +\d+\.\d\d%", result.stdout, re.M) and re.search(r"^fp8 +\d+\.\d\d%", result.stdout, re.M)
     refused = subprocess.run(
         [sys.executable, "-m", "bench.quant_agreement", "--model", DEMO, "--device", "cpu", "--kinds", "fp8"],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
