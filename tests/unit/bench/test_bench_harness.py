@@ -131,7 +131,9 @@ def test_closed_loop_keeps_n_in_flight_and_counts_everything(tiny_model):
     target = Counting()
     factory = RequestFactory(WORKLOADS["W1"], AutoTokenizer.from_pretrained(tiny_model), 0, (0.0, 1.0, 0.0))
     records, _ = asyncio.run(run_closed_loop(target, factory, 4, 0.5, progress=False))
-    assert target.peak == 4 and len(records) > 40
+    # Each client sends again as its last request ends: more than one round in 0.5 s of ~10 ms sends
+    # (not a rate: building each request's picture is CPU work, slow on a loaded CI machine).
+    assert target.peak == 4 and len(records) > 2 * 4
     assert len({r.request.index for r in records}) == len(records)  # every request is its own
     summary = summarize_run(records, 0.0, 0.5, 0.0, {"send_lag_ms": 0})
     assert summary["lost"] == 0 and summary["sent"] == sum(summary["statuses"].values())
