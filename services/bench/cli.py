@@ -80,18 +80,26 @@ def environment(model: str, event_loop: str) -> dict:
 
 def server_cpu_s(procs: list[tuple[str, int]]) -> dict[str, float]:
     """CPU seconds used so far by each server (its process and all their children), by name; the
-    processes of one name (each variant's llm, say) summed."""
+    processes of one name (each variant's llm, say) summed.
+
+    Each live process counts its own time and that of the children it has reaped, so a child
+    that ends between two readings (inductor's compile workers, once idle) keeps its share, and
+    one that ends during a reading is left out alone; otherwise a later reading could be lower."""
     import psutil
 
     used: dict[str, float] = {}
     for name, pid in procs:
         try:
             root = psutil.Process(pid)
-            for proc in [root, *root.children(recursive=True)]:
-                t = proc.cpu_times()
-                used[name] = used.get(name, 0.0) + t.user + t.system
-        except psutil.Error:
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:  # the server has ended
             continue
+        for proc in tree:
+            try:
+                t = proc.cpu_times()
+            except psutil.Error:
+                continue
+            used[name] = used.get(name, 0.0) + t.user + t.system + t.children_user + t.children_system
     return used
 
 

@@ -98,6 +98,47 @@ def test_a_qos_class_p99_over_few_requests_is_marked_and_explained():
     assert "*" not in qos_table([{"target": "mesh", "workload": "W1", "summary": summary}])
 
 
+_BURN = """
+import sys, time
+t = time.process_time()
+while time.process_time() - t < 0.3:
+    pass
+print("burned", flush=True)
+sys.stdin.readline()
+"""
+_PARENT = f"""
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", {_BURN!r}], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+print(child.stdout.readline(), end="", flush=True)
+sys.stdin.readline()
+child.stdin.close()
+child.wait()
+print("reaped", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_servers_cpu_keeps_the_time_of_a_child_that_ended():
+    """A child's CPU stays in the server's figure after the child ends (its parent reaps it)."""
+    import subprocess
+    import sys
+
+    from services.bench.cli import server_cpu_s
+
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline() == "burned\n"
+        alive = server_cpu_s([("llm", parent.pid)])["llm"]
+        parent.stdin.write("\n")
+        parent.stdin.flush()
+        assert parent.stdout.readline() == "reaped\n"
+        ended = server_cpu_s([("llm", parent.pid)])["llm"]
+    finally:
+        parent.kill()
+        parent.wait()
+    assert alive >= 0.3 and ended >= alive - 0.01, (alive, ended)
+
+
 def test_each_servers_cpu_is_its_own_share_and_the_variants_of_one_service_are_summed():
     import os
 
