@@ -1,4 +1,4 @@
-"""W1 under load through the llm engine's own schedule, simulated on the CPU: where the knee
+"""W1 (or W4) under load through the llm engine's own schedule, simulated on the CPU: where the knee
 (P99 <= 387 ms) would move if a step got cheaper, before GPU time is spent on it.
 
 The engine's Scheduler and BlockManager (services/llm) run as they serve; what the GPU does is
@@ -20,10 +20,12 @@ the model gave W1's P99 317 / 367 / 426 ms at 35 / 40 / 45 req/s, where the mesh
   nearest the simulated one): its preprocess + vision + hand-off stages before, and what its
   e2e spent outside every stage after (RPCs, relaying, the client: 13 ms p50 and 45-50 ms p99
   at 30-35 req/s on the H200).
-Every request is W1-shaped: 576 image and 32 text positions, 16 tokens out (the first from the
-prefill), the QoS mix 20/60/20, Poisson arrivals.
+Every request is shaped as `--workload` says: W1 (LLaVA's), 576 image and 32 text positions; or W4
+(Qwen2.5-VL's), two 1280×720 pictures of 1,196 positions each and 64 text positions. 16 tokens
+out (the first from the prefill), the QoS mix 20/60/20, Poisson arrivals. For W4, `--front-ms`
+is the two pictures' preprocessing and tower (about 46 ms on the H200 unloaded).
 
-    python -m bench.schedule_sim [--rates 20,25,30,35,40] [--duration 600] [--seeds 3]
+    python -m bench.schedule_sim [--workload W1] [--rates 20,25,30,35,40] [--duration 600] [--seeds 3]
         [--overheads results.json.gz] [--decode-scale 1.0] [--prompt-scale 1.0]
         [--max-prefill-tokens 1024] [--max-batch 32]
 """
@@ -45,7 +47,9 @@ from services.llm.packed import decode_row_sizes, row_buckets
 from services.llm.request import Request, Status
 from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS, Scheduler
 
-IMAGE, TEXT, OUT = 576, 32, 16
+OUT = 16
+# workload -> (positions of each picture, text positions)
+SHAPES: dict[str, tuple[tuple[int, ...], int]] = {"W1": ((576,), 32), "W4": ((1196, 1196), 64)}
 GREEDY = Sampling(max_tokens=OUT, temperature=0.0, top_p=1.0, seed=None, stop=(), min_tokens=OUT, ignore_eos=True)
 MIX = ((QosLevel.REALTIME, 0.2), (QosLevel.STANDARD, 0.6), (QosLevel.BEST_EFFORT, 0.2))
 
@@ -99,7 +103,9 @@ class Run:
         rnd = random.Random(seed)
         overheads = measured_overheads(args.overheads, rate) if args.overheads else [(args.front_ms, args.back_ms)]
         self.clock = [0.0]
-        pool = BlockManager(args.max_batch * 8 + 1, 128)
+        self.pictures, self.text = SHAPES[args.workload]
+        positions = sum(self.pictures) + self.text
+        pool = BlockManager(args.max_batch * (-(-positions // 128) + 2) + 1, 128)
         clock = self.clock
         self.sched = Scheduler(
             args.max_batch, pool, args.max_prefill_tokens, clock=lambda: clock[0], prefix_cache=False
@@ -125,12 +131,13 @@ class Run:
         """Queue every request that has reached the llm by now."""
         while self.i < len(self.arrivals) and self.arrivals[self.i][0] <= self.clock[0]:
             at, sent, qos, back = self.arrivals[self.i]
+            starts = [sum(self.pictures[:j]) for j in range(len(self.pictures))]
             req = Request(
                 id=str(self.i),
-                prompt_ids=[7] * (IMAGE + TEXT),
-                image_positions=[0],
-                image_features=[SimpleNamespace(shape=(IMAGE, 0))],
-                text_tokens=TEXT,
+                prompt_ids=[7] * (sum(self.pictures) + self.text),
+                image_positions=starts,
+                image_features=[SimpleNamespace(shape=(n, 0)) for n in self.pictures],
+                text_tokens=self.text,
                 sampling=GREEDY,
                 max_new=OUT,
                 qos=qos,
@@ -196,6 +203,7 @@ def simulate(rate: float, duration: float, seed: int, model: StepModel, args) ->
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.schedule_sim", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=sorted(SHAPES), default="W1", help="request shape (default %(default)s)")
     p.add_argument("--rates", default="20,25,30,35,40")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals per run")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of arrivals left out")

@@ -25,6 +25,19 @@ def test_alone_a_request_takes_front_prefill_its_decode_steps_and_back():
     assert row[2] == "31 / 31" and row[3] == "4.0 / 4.0"
 
 
+def test_a_w4_request_alone_takes_its_prompt_in_chunks_of_the_budget():
+    # Two pictures of 1,196 positions and 64 text: chunks of 1,024, 1,024 and 408 rows, in the
+    # row buckets 1,024, 1,024 and 512 at 14 ms for 640 rows and 26/1,408 ms a row more, plus 2 a step.
+    def step(bucket: int) -> float:
+        return 14 + (bucket - 640) * 26 / 1408 + 2
+
+    prompt = 2 * step(1024) + step(512)
+    (row,) = run("--workload", "W4", "--rates", "0.05", "--duration", "200")
+    e2e = round(15 + prompt + 15 * 4 + 2)
+    assert row[1] == f"{e2e} / {e2e} ({e2e}-{e2e})"
+    assert row[2].split(" / ")[0] == f"{round(15 + prompt)}"
+
+
 def test_under_load_every_request_finishes_and_latency_grows_with_the_rate():
     low, high = run("--rates", "5,30", "--duration", "60")
     done, sent = map(int, re.match(r"(\d+) of (\d+)", high[4]).groups())
