@@ -104,6 +104,7 @@ class Run:
         overheads = measured_overheads(args.overheads, rate) if args.overheads else [(args.front_ms, args.back_ms)]
         self.clock = [0.0]
         self.pictures, self.text = SHAPES[args.workload]
+        self.starts = [sum(self.pictures[:j]) for j in range(len(self.pictures))]  # each picture's first position
         positions = sum(self.pictures) + self.text
         pool = BlockManager(args.max_batch * (-(-positions // 128) + 2) + 1, 128)
         clock = self.clock
@@ -131,11 +132,10 @@ class Run:
         """Queue every request that has reached the llm by now."""
         while self.i < len(self.arrivals) and self.arrivals[self.i][0] <= self.clock[0]:
             at, sent, qos, back = self.arrivals[self.i]
-            starts = [sum(self.pictures[:j]) for j in range(len(self.pictures))]
             req = Request(
                 id=str(self.i),
                 prompt_ids=[7] * (sum(self.pictures) + self.text),
-                image_positions=starts,
+                image_positions=list(self.starts),
                 image_features=[SimpleNamespace(shape=(n, 0)) for n in self.pictures],
                 text_tokens=self.text,
                 sampling=GREEDY,
