@@ -7,7 +7,8 @@ For every (target, workload, rate) it offers Poisson arrivals for --duration sec
 the QoS mix, drops the first --warmup seconds from the latency figures, and reports P50,
 P90 and P99 of end-to-end latency, time to first token and time per output token, req/s,
 output tok/s, the per-stage breakdown and every final status. It writes results.json
-(config, environment, every request) and two plots to --out, and prints the table last.
+(config, environment, every request; rewritten as each run ends, so a sweep stopped midway
+keeps what it finished) and two plots to --out, and prints the table last.
 
 Targets: `mesh` (the three servers; started here on free ports unless --gateway is given),
 `inprocess` (the same encoder, batcher and engine in this process: what the mesh costs),
@@ -31,6 +32,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from services.bench.args import build_parser, config_of, mesh_overrides, parse_args
@@ -52,7 +54,9 @@ from services.common import eventloop
 SAME_ANSWER_CHECKS = 4
 
 
-def environment(model: str, event_loop: str) -> dict:
+def environment(model: str, event_loop: str, probe_gpu: bool = True) -> dict:
+    """Where the figures were taken. Without `probe_gpu` the GPU is named only if this process
+    already uses CUDA: naming it would make a context on the device the mesh is measured on."""
     import torch
 
     try:
@@ -72,7 +76,9 @@ def environment(model: str, event_loop: str) -> dict:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu": torch.cuda.get_device_name(0)
+        if torch.cuda.is_available() and (probe_gpu or torch.cuda.is_initialized())
+        else None,
         "event_loop": eventloop.resolve(event_loop),
         "model": model,
     }
@@ -118,10 +124,13 @@ async def run_target(
     tokenizer,
     endpoints: dict,
     procs: list[tuple[str, int]],
-    first_run: int = 1,
-):
-    """Every workload at every level against one target; runs are numbered from `first_run` (their
-    distinct images, see RequestFactory; 0 is the same-answer check's)."""
+    runs: list[dict],
+    records: dict[str, list],
+    saved: Callable[[], None],
+) -> None:
+    """Every workload at every level against one target, each run added to `runs` and `records`
+    as it ends and then `saved()`. Runs are numbered 1 + how many came before (their distinct
+    images, see RequestFactory; 0 is the same-answer check's)."""
     from services.bench.http_target import OpenAiTarget
     from services.bench.targets import HfTarget, InprocessTarget, MeshTarget
 
@@ -135,7 +144,6 @@ async def run_target(
         target = InprocessTarget(args.model, args.device, args.dtype, args.max_vision_batch, args.max_llm_batch)
     else:
         target = HfTarget(args.model, args.device, static=name == "hf-static")
-    runs, records = [], {}
     closed = args.closed_loop
     try:
         for wl in workloads:
@@ -143,7 +151,7 @@ async def run_target(
                 print(f"  {name} {wl}: compiling transformers' static-cache decode (untimed) ...", file=sys.stderr)
                 await target.warm_up(RequestFactory(WORKLOADS[wl], tokenizer, args.seed, qos_mix).make(10**9))
             for kind, level in [("rate", r) for r in rates] + [("closed", c) for c in closed]:
-                factory = RequestFactory(WORKLOADS[wl], tokenizer, args.seed, qos_mix, run=first_run + len(runs))
+                factory = RequestFactory(WORKLOADS[wl], tokenizer, args.seed, qos_mix, run=1 + len(runs))
                 cpu0, wall0 = server_cpu_s(procs), time.perf_counter()
                 if kind == "rate":
                     recs, client = await run_open_loop(target, factory, level, args.duration, args.seed, f"{name} {wl}")
@@ -161,6 +169,7 @@ async def run_target(
                 run = {"target": name, "workload": wl, "prompt_tokens": factory.prompt_tokens, "summary": summary}
                 runs.append(run)
                 records[key] = recs
+                saved()
                 s = summary
                 print(
                     f"  {key}: {s['throughput_rps']:.1f} req/s, e2e p50 {cell(s['e2e_ms']['p50'])} ms p99 "
@@ -170,7 +179,6 @@ async def run_target(
                 )
     finally:
         await target.close()
-    return runs, records
 
 
 async def same_answers(
@@ -310,16 +318,21 @@ def main(argv: list[str] | None = None) -> int:
             "mesh and mesh-http run one after the other on one mesh: with its caches on, the second door's W3 "
             "hits the pool the first cached (--feature-cache-mib 0 --no-prefix-cache compares the doors alone)"
         )
-    runs, records = [], {}
+    runs: list[dict] = []
+    records: dict[str, list] = {}
+
+    def saved() -> None:  # each run on disk as it ends: a sweep stopped midway keeps what it measured
+        write_json(out / "results.json", config, environment(args.model, args.event_loop, False), runs, records)
+
     for group in groups(targets):
         with serve(group[0], args, say, http="mesh-http" in group) as (endpoints, procs):
             for name in group:
-                r, rec = eventloop.run(
-                    run_target(name, args, workloads, rates, qos_mix, tokenizer, endpoints, procs, 1 + len(runs)),
+                eventloop.run(
+                    run_target(
+                        name, args, workloads, rates, qos_mix, tokenizer, endpoints, procs, runs, records, saved
+                    ),
                     args.event_loop,
                 )
-                runs += r
-                records.update(rec)
         release_device(say)
     write_json(out / "results.json", config, environment(args.model, args.event_loop), runs, records)
     plots = plot(out, runs, records, args.warmup)

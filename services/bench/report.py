@@ -261,10 +261,11 @@ def write_json(path: Path, config: dict, env: dict, runs: list[dict], records: d
         ]
         for key, recs in records.items()
     }
-    # Strict JSON: a figure without a sample is null (stats.summarize), never NaN.
-    path.write_text(
-        json.dumps({"config": config, "env": env, "runs": runs, "requests": raw}, indent=1, allow_nan=False)
-    )
+    # Strict JSON: a figure without a sample is null (stats.summarize), never NaN. Written whole
+    # and then renamed, so a reader (or a bench stopped midway) never sees half a file.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"config": config, "env": env, "runs": runs, "requests": raw}, indent=1, allow_nan=False))
+    tmp.replace(path)
 
 
 def plot(out_dir: Path, runs: list[dict], records: dict[str, list[Record]], warmup_s: float) -> list[Path]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 
 def test_bench_against_the_mesh(mesh, tiny_model, tmp_path):
@@ -50,3 +51,26 @@ def test_bench_against_the_mesh(mesh, tiny_model, tmp_path):
     assert "per QoS class" in result.stdout
     assert (out / "latency-vs-throughput.png").stat().st_size > 1000
     assert (out / "latency-cdf.png").stat().st_size > 1000
+
+
+def test_a_bench_stopped_midway_keeps_the_runs_it_finished(mesh, tiny_model, tmp_path):
+    """results.json is rewritten as each run ends: killed during its second run, the bench
+    leaves the first run's figures and requests."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "services.cli", "bench", "--model", str(tiny_model)]
+    cmd += ["--gateway", mesh.target("gateway"), "--rates", "3,4,5", "--duration", "3", "--warmup", "0.5"]
+    proc = subprocess.Popen([*cmd, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "results.json").exists():
+            assert proc.poll() is None, "the bench ended before its first run was written"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        proc.kill()  # the second run has about 3 s to go
+        proc.wait()
+    data = json.loads((out / "results.json").read_text())
+    assert len(data["runs"]) == 1 and list(data["requests"]) == ["mesh W1 3/s"]
+    s = data["runs"][0]["summary"]
+    assert s["sent"] == sum(s["statuses"].values()) == len(data["requests"]["mesh W1 3/s"]) > 0
+    assert data["env"]["commit"] and not (out / "latency-cdf.png").exists()
