@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     records: dict[str, list] = {}
 
     def saved() -> None:  # each run on disk as it ends: a sweep stopped midway keeps what it measured
-        write_json(out / "results.json", config, environment(args.model, args.event_loop, False), runs, records)
+        env = environment(args.model, args.event_loop, probe_gpu=False)
+        write_json(out / "results.json", config, env, runs, records)
 
     for group in groups(targets):
         with serve(group[0], args, say, http="mesh-http" in group) as (endpoints, procs):
