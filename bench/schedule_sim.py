@@ -19,15 +19,18 @@ the model gave W1's P99 317 / 367 / 426 ms at 35 / 40 / 45 req/s, where the mesh
   draws both from a measured mesh run (a `vlmesh bench` results file, the run at the rate
   nearest the simulated one): its preprocess + vision + hand-off stages before, and what its
   e2e spent outside every stage after (RPCs, relaying, the client: 13 ms p50 and 45-50 ms p99
-  at 30-35 req/s on the H200).
+  at 30-35 req/s on the H200);
+- with `--tower-ms`, the pictures' GPU time apart from the front: it runs on the llm's lane,
+  between two steps and in arrival order, since the vision shares the GPU under MPS. Without it
+  the towers cost the steps nothing, which flatters a workload of large pictures.
 Every request is shaped as `--workload` says: W1 (LLaVA's), 576 image and 32 text positions; or W4
 (Qwen2.5-VL's), two 1280×720 pictures of 1,196 positions each and 64 text positions. 16 tokens
-out (the first from the prefill), the QoS mix 20/60/20, Poisson arrivals. For W4, `--front-ms`
-is the two pictures' preprocessing and tower (about 46 ms on the H200 unloaded).
+out (the first from the prefill), the QoS mix 20/60/20, Poisson arrivals. W4 on the H200
+unloaded: about 13 ms of front (preprocessing, hand-off) and 33 of towers (two 16.4-ms replays).
 
     python -m bench.schedule_sim [--workload W1] [--rates 20,25,30,35,40] [--duration 600] [--seeds 3]
         [--overheads results.json.gz] [--decode-scale 1.0] [--prompt-scale 1.0]
-        [--max-prefill-tokens 1024] [--max-batch 32]
+        [--max-prefill-tokens 1024] [--max-batch 32] [--tower-ms 0]
 """
 
 from __future__ import annotations
@@ -120,6 +123,7 @@ class Run:
         self.arrivals.sort()  # by when each reaches the llm
         self.born, self.first, self.last, self.done, self.back_ms = {}, {}, {}, {}, {}
         self.i = 0
+        self.tower_s = args.tower_ms / 1e3
 
     @property
     def busy(self) -> bool:
@@ -129,9 +133,14 @@ class Run:
         return self.arrivals[self.i][0] if self.i < len(self.arrivals) else float("inf")
 
     def admit(self) -> None:
-        """Queue every request that has reached the llm by now."""
+        """Queue every request that has reached the llm by now. With `--tower-ms`, each one's
+        pictures first take the GPU for that long, between two steps and in arrival order: the
+        vision shares the llm's GPU (MPS), so its towers hold up the steps."""
         while self.i < len(self.arrivals) and self.arrivals[self.i][0] <= self.clock[0]:
             at, sent, qos, back = self.arrivals[self.i]
+            if self.tower_s:
+                self.clock[0] += self.tower_s
+                at = self.clock[0]
             req = Request(
                 id=str(self.i),
                 prompt_ids=[7] * (sum(self.pictures) + self.text),
@@ -219,6 +228,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-extra-ms", type=float, default=0.9)
     p.add_argument("--front-ms", type=float, default=15.0)
     p.add_argument("--back-ms", type=float, default=2.0)
+    p.add_argument(
+        "--tower-ms",
+        type=float,
+        default=0.0,
+        help="each request's pictures on the same GPU, between the llm's steps (0: inside --front-ms)",
+    )
     p.add_argument("--overheads", default=None, help="a vlmesh bench results file: draw front and back from it")
     p.add_argument("--decode-scale", type=float, default=1.0, help="what-if: decode-only steps take this share")
     p.add_argument("--prompt-scale", type=float, default=1.0, help="what-if: steps with prompts take this share")

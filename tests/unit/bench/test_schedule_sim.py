@@ -38,6 +38,19 @@ def test_a_w4_request_alone_takes_its_prompt_in_chunks_of_the_budget():
     assert row[2].split(" / ")[0] == f"{round(15 + prompt)}"
 
 
+def test_pictures_on_the_llms_gpu_take_their_time_there_and_hold_up_other_requests():
+    # Alone: the tower's 10 ms come between the front and the prompt.
+    (alone,) = run("--rates", "0.05", "--duration", "200", "--tower-ms", "10")
+    assert alone[1] == "103 / 103 (103-103)"
+    # Under load a tower also holds up the steps of the requests already in the llm: the same
+    # 10 ms a request on the GPU's lane instead of in the front make the P99 far worse.
+    front, lane = (
+        run("--rates", "30", "--duration", "60", *flags)[0] for flags in (["--front-ms", "25"], ["--tower-ms", "10"])
+    )
+    front_p99, lane_p99 = (int(row[1].split(" / ")[1].split()[0]) for row in (front, lane))
+    assert lane_p99 > 1.5 * front_p99, (front[1], lane[1])
+
+
 def test_under_load_every_request_finishes_and_latency_grows_with_the_rate():
     low, high = run("--rates", "5,30", "--duration", "60")
     done, sent = map(int, re.match(r"(\d+) of (\d+)", high[4]).groups())
