@@ -51,6 +51,7 @@ from services.llm.request import Request, Status
 from services.llm.scheduler import DEFAULT_MAX_PREFILL_TOKENS, Scheduler
 
 OUT = 16
+PAGE = 128  # KV positions a page
 # workload -> (positions of each picture, text positions)
 SHAPES: dict[str, tuple[tuple[int, ...], int]] = {"W1": ((576,), 32), "W4": ((1196, 1196), 64)}
 GREEDY = Sampling(max_tokens=OUT, temperature=0.0, top_p=1.0, seed=None, stop=(), min_tokens=OUT, ignore_eos=True)
@@ -109,7 +110,7 @@ class Run:
         self.pictures, self.text = SHAPES[args.workload]
         self.starts = [sum(self.pictures[:j]) for j in range(len(self.pictures))]  # each picture's first position
         positions = sum(self.pictures) + self.text
-        pool = BlockManager(args.max_batch * (-(-positions // 128) + 2) + 1, 128)
+        pool = BlockManager(args.max_batch * (-(-positions // PAGE) + 2) + 1, PAGE)
         clock = self.clock
         self.sched = Scheduler(
             args.max_batch, pool, args.max_prefill_tokens, clock=lambda: clock[0], prefix_cache=False

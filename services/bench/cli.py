@@ -321,9 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict] = []
     records: dict[str, list] = {}
 
+    partial_env = environment(args.model, args.event_loop, probe_gpu=False)  # read once, not per run
+
     def saved() -> None:  # each run on disk as it ends: a sweep stopped midway keeps what it measured
-        env = environment(args.model, args.event_loop, probe_gpu=False)
-        write_json(out / "results.json", config, env, runs, records)
+        write_json(out / "results.json", config, partial_env, runs, records)
 
     for group in groups(targets):
         with serve(group[0], args, say, http="mesh-http" in group) as (endpoints, procs):
